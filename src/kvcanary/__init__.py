@@ -1,0 +1,3 @@
+"""kvcanary: make KV-cache corruption in LLM serving engines impossible to miss."""
+
+__version__ = "0.1.0"
