@@ -8,8 +8,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["ChunkOutput", "ForwardKind", "SamplingSpec", "ScheduledChunk", "StepOutput", "StepPlan"]
+__all__ = [
+    "ChunkOutput",
+    "ForwardKind",
+    "Runner",
+    "SamplingSpec",
+    "ScheduledChunk",
+    "StepOutput",
+    "StepPlan",
+]
 
 
 class ForwardKind(enum.Enum):
@@ -86,3 +95,12 @@ class StepOutput:
     """The runner's result for one StepPlan, chunk for chunk."""
 
     chunks: tuple[ChunkOutput, ...]
+
+
+class Runner(Protocol):
+    """Runs one StepPlan: builds tensors and the ForwardView, calls the canary's `pre_forward` /
+    `post_forward` around the model forward, samples. Raising leaves no token applied."""
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Run the forward described by `plan` and return one ChunkOutput per chunk, in order."""
+        ...
