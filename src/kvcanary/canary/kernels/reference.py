@@ -1,0 +1,187 @@
+"""Plain-Python reference kernels: the executable reading of SPEC §4-§5.
+
+Same signatures and results as `kernels.fast`, byte for byte; slow, and meant to be read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcanary.canary.hashing import HEAD_HASH, MASK64, mix3, splitmix64
+
+Arr = npt.NDArray[Any]
+
+
+def _u(x: Any) -> int:
+    return int(x) & MASK64
+
+
+def fold_sources(s0: Arr, s1: Arr, s2: Arr, s3: Arr, params: Arr, count: int, slot: int) -> int:
+    """acc = splitmix64(acc ^ fold_one(src, slot)) over the sources in order; 0 with none."""
+    acc = 0
+    for words, (page_size, per_token, nread) in list(zip((s0, s1, s2, s3), params, strict=False))[
+        :count
+    ]:
+        row, col = slot // int(page_size), (slot % int(page_size)) * int(per_token)
+        one = 0
+        for w in range(int(nread)):
+            one = splitmix64(one ^ _u(words[row, col + w]))
+        acc = splitmix64(acc ^ one)
+    return acc
+
+
+def _record(ring: Arr, state: Arr, *cols: Any) -> None:
+    seq = int(state[0])
+    state[0] = seq + 1
+    if seq < ring.shape[0]:
+        ring[seq] = [_u(c) for c in cols]
+
+
+def _translate(x: Any, lut: Arr, use_lut: bool) -> tuple[int, bool]:
+    x = int(x)
+    if not use_lut or x == -1:
+        return x, True
+    if not 0 <= x < len(lut):
+        return x, False
+    return int(lut[x]), True
+
+
+def build_plan(
+    rows: Arr, prefix_lens: Arr, extend_lens: Arr, r2t: Arr, out_slots: Arr, lut: Arr,
+    use_lut: bool, window: int, num_slots: int, truth: Arr, truth_lens: Arr, offset: int,
+    verify_capacity: int,
+) -> tuple[Any, ...]:  # fmt: skip
+    """Build one group's plan (SPEC §5.1).
+
+    Returns `(req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, verify_total, overflow,
+    err)`. `err = (kind, value)`: kind 1 is a SWA index outside the LUT, 2 a slot outside the
+    group, 3 a row (value = batch index) whose positions exceed `req_to_token`; 0 means no error.
+    """
+    i64 = np.int64
+    nrows, ncols = len(rows), r2t.shape[1]
+    wl = [max(int(extend_lens[r]), 0) if rows[r] != 0 else 0 for r in range(nrows)]
+    req_offsets = np.concatenate([[0], np.cumsum(wl)]).astype(i64)
+    seeds = np.full(nrows, -1, dtype=i64)
+    empty = np.empty(0, dtype=i64)
+
+    def fail(kind: int, value: int) -> tuple[Any, ...]:
+        return (
+            req_offsets,
+            seeds,
+            empty,
+            empty,
+            empty,
+            empty,
+            empty,
+            0,
+            False,
+            np.array([kind, value]),
+        )
+
+    total_v = 0
+    for r in range(nrows):
+        row, prefix = int(rows[r]), int(prefix_lens[r])
+        if row == 0:
+            continue
+        if prefix + wl[r] > ncols or not 0 <= row < r2t.shape[0]:
+            return fail(3, r)
+        if prefix > 0 and wl[r] > 0:
+            seed, ok = _translate(r2t[row, prefix - 1], lut, use_lut)
+            if not ok:
+                return fail(1, seed)
+            seeds[r] = -1 if seed == 0 else seed
+        total_v += max(prefix - max(0, prefix - window), 0)
+    w_slots = np.empty(int(req_offsets[-1]), dtype=i64)
+    for i in range(len(w_slots)):
+        slot, ok = _translate(out_slots[i], lut, use_lut)
+        if not ok:
+            return fail(1, slot)
+        if not -1 <= slot < num_slots:
+            return fail(2, slot)
+        w_slots[i] = slot
+    if total_v > verify_capacity:
+        return req_offsets, seeds, w_slots, empty, empty, empty, empty, total_v, True, np.zeros(2)
+    entries: list[tuple[int, int, int, int]] = []
+    for r in range(nrows):
+        row, prefix = int(rows[r]), int(prefix_lens[r])
+        if row == 0:
+            continue
+        limit = min(int(truth_lens[r]), ncols)
+        for pos in range(max(0, prefix - window), prefix):
+            slot, ok = _translate(r2t[row, pos], lut, use_lut)
+            prev, ok2 = _translate(r2t[row, pos - 1], lut, use_lut) if pos > 0 else (-1, True)
+            if not (ok and ok2):
+                return fail(1, slot if not ok else prev)
+            if not 0 <= slot < num_slots or not -1 <= prev < num_slots:
+                return fail(2, slot if not 0 <= slot < num_slots else prev)
+            t = pos + offset
+            entries.append((slot, prev, pos, int(truth[r, t]) if 0 <= t < limit else -1))
+    cols = np.array(entries, dtype=i64).reshape(-1, 4).T
+    return req_offsets, seeds, w_slots, *(c.copy() for c in cols), total_v, False, np.zeros(2)
+
+
+def slot_hash(buf: Arr, slot: int) -> int:
+    """mix3(PREV_HASH, TOKEN, POSITION) of `slot`'s record; HEAD_HASH for -1."""
+    if slot == -1:
+        return HEAD_HASH
+    token, position, prev_hash = (_u(x) for x in buf[slot, :3])
+    return mix3(prev_hash, token, position)
+
+
+def verify(
+    buf: Arr, v_slot: Arr, v_prev: Arr, v_pos: Arr, v_tok: Arr, s0: Arr, s1: Arr, s2: Arr,
+    s3: Arr, params: Arr, count: int, tag: int, ring: Arr, state: Arr,
+) -> None:  # fmt: skip
+    """Verify each entry (SPEC §5.3); read-only on `buf`."""
+    for slot, prev, exp_pos, exp_tok in zip(
+        v_slot.tolist(), v_prev.tolist(), v_pos.tolist(), v_tok.tolist(), strict=False
+    ):
+        if slot == 0:
+            continue  # reserved or evicted: counted, never checked
+        token, position, prev_hash, real_kv = (_u(x) for x in buf[slot])
+        reachable = prev != 0
+        exp_chain = slot_hash(buf, prev) if reachable else prev_hash
+        bits = 1 if reachable and prev_hash != exp_chain else 0
+        bits |= 2 if position != _u(exp_pos) else 0
+        bits |= 4 if real_kv != fold_sources(s0, s1, s2, s3, params, count, slot) else 0
+        bits |= 32 if exp_tok != -1 and token != _u(exp_tok) else 0
+        if bits:
+            _record(ring, state, tag, slot, position, token, exp_tok, prev_hash, exp_chain, bits)
+
+
+def write(
+    buf: Arr, seeds: Arr, req_offsets: Arr, w_slots: Arr, input_ids: Arr, positions: Arr,
+    do_assert: bool, exp_tok: Arr, exp_pos: Arr, chain_position: bool, s0: Arr, s1: Arr,
+    s2: Arr, s3: Arr, params: Arr, count: int, tag: int, ring: Arr, state: Arr,
+) -> None:  # fmt: skip
+    """Write one serial chain per request (SPEC §5.2). Seeds are read before any write."""
+    starts = [
+        (slot_hash(buf, int(seed)), _signed(buf[int(seed), 1])) if seed >= 1 else (HEAD_HASH, 0)
+        for seed in seeds
+    ]
+    for r, (running, prev_pos) in enumerate(starts):
+        do_pos = chain_position and seeds[r] >= 1
+        for i in range(int(req_offsets[r]), int(req_offsets[r + 1])):
+            slot = int(w_slots[i])
+            if slot < 0:
+                continue  # no write, no advance, not counted
+            tok, pos = int(input_ids[i]), int(positions[i])
+            if do_assert:
+                bits = (8 if tok != exp_tok[i] else 0) | (16 if pos != exp_pos[i] else 0)
+                if bits:
+                    _record(ring, state, tag, slot, pos, tok, exp_tok[i], running, exp_pos[i], bits)
+            if do_pos:
+                if pos != prev_pos + 1:
+                    _record(ring, state, tag, slot, pos, tok, tok, running, prev_pos + 1, 16)
+                prev_pos = pos
+            fold = fold_sources(s0, s1, s2, s3, params, count, slot)
+            buf.view(np.uint64)[slot] = [_u(tok), _u(pos), running, fold]
+            running = mix3(running, tok, pos)
+
+
+def _signed(x: Any) -> int:
+    v = _u(x)
+    return v - (1 << 64) if v >> 63 else v

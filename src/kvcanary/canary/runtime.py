@@ -1,0 +1,306 @@
+"""The Canary: HEAD before each forward, TAIL after it, sweeps at end of step (SPEC §2.1, §5, §8)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcanary.canary.buffers import GroupBuffers
+from kvcanary.canary.capacities import CanaryLaunchCapacities
+from kvcanary.canary.config import CanaryConfig, CanaryMode
+from kvcanary.canary.errors import CanaryHealthError, CanaryViolationError
+from kvcanary.canary.kernels import KERNEL_IMPLEMENTATIONS
+from kvcanary.canary.monitors import HealthChecker, stats_line, warn_verify_overflow
+from kvcanary.canary.perturb_seam import PerturbHooks, PerturbRecord
+from kvcanary.canary.plan import GroupPlan, ViewSnapshot, build_group_plan, snapshot_view
+from kvcanary.canary.ring import ViolationRing
+from kvcanary.canary.sources import FoldSources
+from kvcanary.contract.errors import CanaryContractError
+from kvcanary.contract.groups import BufferGroupSpec, GroupKind
+from kvcanary.contract.oracle import TokenOracle
+from kvcanary.contract.tags import LaunchTag
+from kvcanary.contract.view import ForwardView
+from kvcanary.contract.violation import Violation
+from kvcanary.contract.walker import PrefixCacheWalker
+
+__all__ = ["Canary"]
+
+logger = logging.getLogger("kvcanary")
+_NO_TOKENS = np.full(0, -1, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class _OpenForward:
+    snapshot: ViewSnapshot
+    plans: dict[str, GroupPlan]
+
+
+class Canary:
+    """The installed detector for one KV pool; implements `kvcanary.contract.CanaryHooks`.
+
+    Build it with `kvcanary.canary.install`. Single-threaded: the engine calls it from the thread
+    that runs the forwards.
+    """
+
+    def __init__(
+        self,
+        config: CanaryConfig,
+        groups: Sequence[BufferGroupSpec],
+        capacities: CanaryLaunchCapacities,
+        *,
+        token_oracle: TokenOracle | None = None,
+        kernels: str = "fast",
+        perturb: PerturbHooks | None = None,
+    ) -> None:
+        kinds = [g.kind for g in groups]
+        if kinds.count(GroupKind.FULL) != 1 or kinds.count(GroupKind.SWA) > 1:
+            raise ValueError(
+                f"kv-canary: install needs exactly one FULL group and at most one SWA group, "
+                f"got {[k.value for k in kinds]}"
+            )
+        if config.enable_write_input_assert and token_oracle is None:
+            raise ValueError(
+                "kv-canary: enable_write_input_assert=True requires a token oracle; pass "
+                "token_oracle=... to install(...)"
+            )
+        if kernels not in KERNEL_IMPLEMENTATIONS:
+            raise ValueError(
+                f"kv-canary: kernels must be one of {sorted(KERNEL_IMPLEMENTATIONS)}, got {kernels!r}"
+            )
+        self.config = config
+        self.capacities = capacities
+        self.token_oracle = token_oracle
+        self._kernels: ModuleType = KERNEL_IMPLEMENTATIONS[kernels]
+        self._perturb = perturb
+        ordered = sorted(groups, key=lambda g: g.kind is GroupKind.SWA)
+        self.groups = tuple(
+            GroupBuffers(g, real_data=config.real_data, enable_v=config.enable_v) for g in ordered
+        )
+        self.ring = ViolationRing(config.ring_capacity)
+        self.kernel_run_counter = dict.fromkeys(LaunchTag, 0)
+        self.slot_run_counter = dict.fromkeys(LaunchTag, 0)
+        self.step = 0
+        self.sweep_passes = 0
+        self.chain_position_assert_enabled = False
+        self._walker: PrefixCacheWalker | None = None
+        self._last_sweep_step: int | None = None
+        self._open: _OpenForward | None = None
+        self._tripped = False
+        self._health = HealthChecker()
+
+    # ----------------------------------------------------------------- lifecycle (CanaryHooks)
+    def mark_init_finished(self) -> None:
+        """Warm-up is over: turn on the chain-position assert."""
+        self.chain_position_assert_enabled = True
+
+    def attach_prefix_cache(self, *, walker: PrefixCacheWalker) -> None:
+        """Enable sweeps over `walker`."""
+        self._walker = walker
+
+    def pre_forward(self, *, view: ForwardView) -> None:
+        """Perturb hooks, plan, HEAD verify + write, pump."""
+        if self._open is not None:
+            raise CanaryContractError("kv-canary: pre_forward called twice without post_forward")
+        if self._perturb is not None:
+            self._perturb.before_plan(view=view, step=self.step)
+        snap = snapshot_view(
+            view,
+            capacities=self.capacities,
+            write_assert=self.config.enable_write_input_assert and self.token_oracle is not None,
+            token_check=self.config.enable_verify_token_assert,
+        )
+        plans = {g.name: self._plan_group(g, snap) for g in self.groups}
+        self._open = _OpenForward(snap, plans)
+        self._health.note_forward()
+        try:
+            self._run_stage("head", snap, plans)
+            self._pump()
+        except CanaryViolationError:
+            self._open = None  # the forward will not run
+            raise
+
+    def post_forward(self, *, view: ForwardView) -> None:
+        """TAIL verify + write over the snapshot taken in `pre_forward`, pump, perturb hooks."""
+        if self._open is None:
+            raise CanaryContractError(
+                "kv-canary: post_forward called without a matching pre_forward"
+            )
+        opened, self._open = self._open, None
+        self._run_stage("tail", opened.snapshot, opened.plans)
+        self._pump()
+        if self._perturb is not None:
+            self._perturb.after_tail(view=view, step=self.step)
+
+    def end_step(self) -> None:
+        """Cache perturb, sweep if due, pump, health, stats; then advance the step."""
+        if self._open is not None:
+            raise CanaryContractError("kv-canary: end_step called while a forward is open")
+        try:
+            due = self.sweep_due
+            if self._perturb is not None:
+                self._perturb.at_end_step(step=self.step, sweep_due=due)
+            if due:
+                self._sweep()
+            self._pump()
+            self._check_health()
+            self._log_stats()
+        finally:
+            self.step += 1
+
+    def drain_violations(self) -> list[Violation]:
+        """Violations reported since the previous drain, in ring order (every mode)."""
+        return self.ring.drain()
+
+    # ----------------------------------------------------------------- introspection
+    @property
+    def sweep_due(self) -> bool:
+        """True when `end_step` at the current step will sweep."""
+        interval = self.config.sweep_interval
+        if interval <= 0 or self._walker is None:
+            return False
+        return self._last_sweep_step is None or self.step - self._last_sweep_step >= interval
+
+    @property
+    def total_violations(self) -> int:
+        """The ring's write index: every violation recorded, dropped rows included."""
+        return self.ring.write_index
+
+    @property
+    def active_tags(self) -> list[LaunchTag]:
+        """Tags whose endpoints run: HEAD/TAIL per group and half; SWEEP when interval > 0."""
+        stages = ("head", "tail", "sweep") if self.config.sweep_interval > 0 else ("head", "tail")
+        return sorted(
+            LaunchTag.of(stage, half, g.name)
+            for g in self.groups
+            for half in g.halves
+            for stage in stages
+        )
+
+    def group(self, name: str) -> GroupBuffers:
+        """The group named `full` or `swa`."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"kv-canary: no {name!r} group installed")
+
+    def injections(self) -> list[PerturbRecord]:
+        """The fault-injection journal (empty without a perturber)."""
+        return [] if self._perturb is None else self._perturb.injections()
+
+    # ----------------------------------------------------------------- internals
+    def _plan_group(self, g: GroupBuffers, snap: ViewSnapshot) -> GroupPlan:
+        plan = build_group_plan(
+            self._kernels,
+            snap,
+            group_name=g.name,
+            num_slots=g.num_slots,
+            lut=g.lut,
+            window=g.window,
+            offset=g.offset,
+            verify_capacity=self.capacities.verify_capacity,
+        )
+        if plan.overflow:
+            warn_verify_overflow(plan.verify_total, self.capacities.verify_capacity)
+        return plan
+
+    def _run_stage(self, stage: str, snap: ViewSnapshot, plans: dict[str, GroupPlan]) -> None:
+        chain_position = self.chain_position_assert_enabled and snap.linear_chain
+        for g in self.groups:
+            plan = plans[g.name]
+            for half in g.halves:
+                tag = LaunchTag.of(stage, half, g.name)
+                words, src = g.words(stage, half), g.stage_sources(stage, half)
+                if not plan.overflow:
+                    self._verify(tag, words, src, plan.v_slot, plan.v_prev, plan.v_pos, plan.v_tok)
+                else:
+                    self.kernel_run_counter[tag] += 1
+                self._kernels.write(
+                    words, plan.seeds, plan.req_offsets, plan.w_slots, snap.input_ids,
+                    snap.positions, snap.write_assert, snap.expected_tokens,
+                    snap.expected_positions, chain_position, *src.words, src.params, src.count,
+                    int(tag), self.ring.words, self.ring.state,
+                )  # fmt: skip
+                self.kernel_run_counter[tag] += 1
+                self.slot_run_counter[tag] += plan.num_writes
+
+    def _verify(
+        self,
+        tag: LaunchTag,
+        words: npt.NDArray[np.uint64],
+        src: FoldSources,
+        slots: npt.NDArray[np.int64],
+        prevs: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        tokens: npt.NDArray[np.int64],
+    ) -> None:
+        self._kernels.verify(
+            words, slots, prevs, positions, tokens, *src.words, src.params, src.count,
+            int(tag), self.ring.words, self.ring.state,
+        )  # fmt: skip
+        self.kernel_run_counter[tag] += 1
+        self.slot_run_counter[tag] += len(slots)
+
+    def _sweep(self) -> None:
+        assert self._walker is not None
+        walked = np.fromiter(
+            (x for entry in self._walker.walk() for x in entry), dtype=np.int64
+        ).reshape(-1, 3)
+        for g in self.groups:
+            slots, prevs = g.translate(walked[:, 0].copy()), g.translate(walked[:, 2].copy())
+            # An evicted SWA slot translates to 0 and is skipped by verify.
+            tokens = np.full(len(slots), -1, dtype=np.int64)
+            for half in g.halves:
+                tag = LaunchTag.of("sweep", half, g.name)
+                self._verify(
+                    tag, g.words("sweep", half), g.stage_sources("sweep", half),
+                    slots, prevs, walked[:, 1].copy(), tokens,
+                )  # fmt: skip
+        self.sweep_passes += 1
+        self._last_sweep_step = self.step
+        logger.info(
+            "[canary] sweep pass=%d step=%d entries=%d", self.sweep_passes, self.step, len(walked)
+        )
+
+    def _pump(self) -> None:
+        new = self.ring.pump(self.step)
+        if not new:
+            return
+        if self.config.mode is CanaryMode.RAISE and not self._tripped:
+            self._tripped = True
+            raise CanaryViolationError("\n".join(v.message for v in new))
+        for v in new:
+            logger.warning("%s", v.message)
+
+    def _check_health(self) -> None:
+        expected = [
+            t
+            for t in self.active_tags
+            if not t.is_sweep
+            or (self._walker is not None and 0 < self.config.sweep_interval <= 100)
+        ]
+        message = self._health.check(self.step, expected, self.kernel_run_counter)
+        if message is None:
+            return
+        if self.config.mode is CanaryMode.RAISE:
+            raise CanaryHealthError(message)
+        logger.error("%s", message)
+
+    def _log_stats(self) -> None:
+        every = self.config.stats_print_every_n_steps
+        if every <= 0 or self.step <= 0 or self.step % every:
+            return
+        logger.info(
+            "%s",
+            stats_line(
+                step=self.step,
+                protected_tokens=sum(self.slot_run_counter.values()),
+                sweep_passes=self.sweep_passes,
+                violations=self.total_violations,
+                active_tags=len(self.active_tags),
+            ),
+        )
