@@ -1,0 +1,244 @@
+"""Radix prefix cache: token-id sequences -> KV slots (ints only).
+
+Each non-root node holds a run of tokens (`key`) and the slots of their KV (`slots`, same
+length). A path from the root spells a cached sequence; position `p` of that sequence lives in
+the slot found at depth `p`. The tree owns one allocator reference per slot it stores.
+
+Ownership rules, as seen by a caller:
+
+| call | references |
+|---|---|
+| `match_prefix` | none taken; the caller increfs the returned slots if it keeps them |
+| `insert` | consumes the caller's reference on every slot passed: new tokens are adopted, slots of the already-cached part are decref'd |
+| `evict` | drops the tree's reference on each evicted slot |
+
+`lock(handle)` adds one lock count on every node from the handle's node up to the root; locked
+nodes are never evicted. Matches split nodes so that a handle always ends on a node boundary,
+hence "locked" means exactly "a prefix of some locked match".
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvcanary.contract import walk_node_slots
+from kvcanary.engine.slot_allocator import SlotAllocator
+
+__all__ = ["RadixCache", "RadixHandle"]
+
+
+class _Node:
+    """One run of tokens; internal to the cache."""
+
+    __slots__ = ("children", "key", "last_access", "lock_ref", "node_id", "parent", "slots")
+
+    def __init__(
+        self, key: list[int], slots: list[int], parent: _Node | None, node_id: int
+    ) -> None:
+        self.key = key
+        self.slots = slots
+        self.parent = parent
+        self.children: dict[int, _Node] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+        self.node_id = node_id
+
+
+@dataclass(frozen=True, slots=True)
+class RadixHandle:
+    """Opaque result of a match: the node ending the match and the matched length."""
+
+    node: _Node
+    length: int
+
+
+class RadixCache:
+    """Radix tree over token ids with LRU eviction of unlocked leaves.
+
+    Satisfies `kvcanary.contract.PrefixCacheWalker` through `walk`.
+    """
+
+    __slots__ = ("_allocator", "_cached", "_clock", "_ids", "_protected", "_root")
+
+    def __init__(self, allocator: SlotAllocator) -> None:
+        """An empty cache returning evicted slots to `allocator`."""
+        self._allocator = allocator
+        self._ids = itertools.count()
+        self._root = _Node([], [], None, next(self._ids))
+        self._root.lock_ref = 1  # the root is never evicted
+        self._clock = 0
+        self._cached = 0
+        self._protected = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """Slots held by the tree."""
+        return self._cached
+
+    @property
+    def protected_tokens(self) -> int:
+        """Slots in locked nodes (not evictable)."""
+        return self._protected
+
+    @property
+    def evictable_tokens(self) -> int:
+        """Slots in unlocked nodes."""
+        return self._cached - self._protected
+
+    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], RadixHandle]:
+        """The slots of the longest cached prefix of `tokens`, and a handle for `lock`.
+
+        Splits a node when the match ends inside it; refreshes LRU times along the path. Takes
+        no reference: the slots stay valid only while the handle is locked.
+        """
+        self._clock += 1
+        node, pos, slots = self._root, 0, []
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common_len(child.key, tokens, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = self._clock
+            slots.extend(child.slots)
+            node, pos = child, pos + n
+        return slots, RadixHandle(node, pos)
+
+    def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
+        """Cache `tokens` -> `slots`, consuming the caller's reference on every slot.
+
+        Slots of the part already cached are decref'd (the tree keeps its own); the rest become
+        the tree's. Returns the length of the part that was already cached.
+        """
+        if len(tokens) != len(slots):
+            raise ValueError(f"RadixCache.insert: {len(tokens)} tokens but {len(slots)} slots")
+        self._clock += 1
+        node, pos = self._root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common_len(child.key, tokens, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = self._clock
+            node, pos = child, pos + n
+        self._allocator.decref(slots[:pos])
+        if pos < len(tokens):
+            leaf = _Node(list(tokens[pos:]), list(slots[pos:]), node, next(self._ids))
+            leaf.last_access = self._clock
+            node.children[leaf.key[0]] = leaf
+            self._cached += len(leaf.key)
+        return pos
+
+    def lock(self, handle: RadixHandle) -> None:
+        """Protect the handle's path from eviction (counted; pair with `unlock`)."""
+        node: _Node | None = handle.node
+        while node is not None and node is not self._root:
+            if node.lock_ref == 0:
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, handle: RadixHandle) -> None:
+        """Undo one `lock` of the same handle."""
+        node: _Node | None = handle.node
+        while node is not None and node is not self._root:
+            if node.lock_ref <= 0:
+                raise ValueError("RadixCache.unlock: node is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.key)
+            node = node.parent
+
+    def evict(self, num_slots: int) -> int:
+        """Evict least-recently-used unlocked leaves until `num_slots` slots were freed or none
+        is left; returns the number of slots freed."""
+        heap = [(n.last_access, n.node_id, n) for n in self._nodes() if _evictable_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_slots and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.key[0]]
+            self._cached -= len(leaf.key)
+            freed += self._allocator.decref(leaf.slots)
+            if parent is not self._root and _evictable_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        return freed
+
+    def walk(
+        self, *, unlocked_only: bool = False, swa_resident_only: bool = False
+    ) -> list[tuple[int, int, int]]:
+        """Every cached slot as `(slot, position, prev_slot)`, depth-first from the root
+        (SPEC §2.5). `swa_resident_only` is accepted and ignored: this cache has no SWA part."""
+        del swa_resident_only
+        out: list[tuple[int, int, int]] = []
+        stack: list[tuple[_Node, int, int]] = [(self._root, 0, -1)]
+        while stack:
+            node, depth, parent_last = stack.pop()
+            if not (unlocked_only and node.lock_ref > 0):
+                out.extend(walk_node_slots(node.slots, depth, parent_last))
+            last = node.slots[-1] if node.slots else parent_last
+            for child in reversed(node.children.values()):
+                stack.append((child, depth + len(node.slots), last))
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError on a malformed tree, wrong counters or a slot the allocator does
+        not hold."""
+        seen: set[int] = set()
+        cached = protected = 0
+        for node in self._nodes():
+            assert node.key and len(node.key) == len(node.slots), "empty or ragged node"
+            parent = node.parent
+            assert parent is not None and parent.children.get(node.key[0]) is node, "bad parent"
+            assert node.lock_ref >= 0, "negative lock count"
+            assert parent is self._root or parent.lock_ref >= node.lock_ref, "lock not on path"
+            for slot in node.slots:
+                assert slot not in seen, f"slot {slot} cached twice"
+                assert self._allocator.refcount(slot) >= 1, f"cached slot {slot} is free"
+                seen.add(slot)
+            cached += len(node.key)
+            protected += len(node.key) if node.lock_ref > 0 else 0
+        assert cached == self._cached, f"cached_tokens {self._cached} != {cached}"
+        assert protected == self._protected, f"protected_tokens {self._protected} != {protected}"
+
+    def _split(self, child: _Node, n: int) -> _Node:
+        """Cut `child` after `n` tokens; the new upper node is returned, `child` keeps the tail
+        (so handles to `child` stay valid) and both keep its lock count."""
+        parent = child.parent
+        assert parent is not None and 0 < n < len(child.key)
+        upper = _Node(child.key[:n], child.slots[:n], parent, next(self._ids))
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        parent.children[upper.key[0]] = upper
+        child.key, child.slots, child.parent = child.key[n:], child.slots[n:], upper
+        upper.children[child.key[0]] = child
+        return upper
+
+    def _nodes(self) -> Iterator[_Node]:
+        """Every non-root node, depth-first."""
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+
+def _common_len(key: Sequence[int], tokens: Sequence[int], start: int) -> int:
+    """Length of the common prefix of `key` and `tokens[start:]`."""
+    n = min(len(key), len(tokens) - start)
+    i = 0
+    while i < n and key[i] == tokens[start + i]:
+        i += 1
+    return i
+
+
+def _evictable_leaf(node: _Node) -> bool:
+    return not node.children and node.lock_ref == 0

@@ -1,0 +1,417 @@
+"""Continuous batching with chunked prefill, prefix sharing, retraction and speculative verify.
+
+The scheduler works on Python ints only. `schedule()` builds one `StepPlan` per step: it
+allocates the slots every chunk writes and records them in the request's `req_to_token` row
+before the runner sees the plan. `postprocess()` applies the sampled tokens. State changes
+happen only in those two calls, `add_request`, `abort`, `retract` and `discard`.
+
+One step, in order (rows capped by `max_batch_size`, tokens by `max_prefill_tokens`):
+
+| pass | who | tokens |
+|---|---|---|
+| decode | running requests with one token left to compute | 1, or 1 + k drafts (VERIFY) |
+| continue | running requests mid-prefill | up to `chunked_prefill_size` |
+| admit | waiting requests, FIFO, after a radix match | up to `chunked_prefill_size` |
+
+When slots run out, unlocked radix leaves are evicted first; then the most recently admitted
+running request is retracted (its computed prefix goes to the radix cache and it returns to the
+front of the waiting queue). Admission never retracts, and a step that retracted admits nobody.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from kvcanary.engine.config import EngineConfig
+from kvcanary.engine.drafter import Drafter
+from kvcanary.engine.plan import ForwardKind, SamplingSpec, ScheduledChunk, StepOutput, StepPlan
+from kvcanary.engine.radix_cache import RadixCache
+from kvcanary.engine.req_rows import RowAllocator
+from kvcanary.engine.request import Request, RequestStatus
+from kvcanary.engine.slot_allocator import SlotAllocator
+from kvcanary.engine.stats import SchedulerCounters, SchedulerStats
+from kvcanary.engine.table import ReqToTokenTable
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler:
+    """Owns requests, slots, rows and the prefix cache; writes `req_to_token` through `table`."""
+
+    __slots__ = (
+        "_admissions",
+        "_allocator",
+        "_budget",
+        "_config",
+        "_counters",
+        "_drafter",
+        "_pending",
+        "_radix",
+        "_requests",
+        "_rows",
+        "_running",
+        "_step",
+        "_table",
+        "_waiting",
+    )
+
+    def __init__(self, config: EngineConfig, table: ReqToTokenTable) -> None:
+        """A scheduler for `config`; `table` has `max_running_requests + 1` rows of
+        `max_context_len` positions, zero-initialised."""
+        self._config = config
+        self._table = table
+        self._allocator = SlotAllocator(config.num_slots, seed=config.seed)
+        self._rows = RowAllocator(config.max_running_requests + 1)
+        self._radix = RadixCache(self._allocator)
+        self._drafter = Drafter(config.vocab_size)
+        self._counters = SchedulerCounters()
+        self._requests: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._pending: dict[str, ScheduledChunk] = {}  # chunks of the step being built
+        self._budget = 0
+        self._step = 0
+        self._admissions = 0
+
+    # ---- read-only views -------------------------------------------------------------------
+
+    @property
+    def allocator(self) -> SlotAllocator:
+        """The slot allocator (read it; do not allocate from outside)."""
+        return self._allocator
+
+    @property
+    def prefix_cache(self) -> RadixCache:
+        """The radix cache; it is the `PrefixCacheWalker` the canary sweeps."""
+        return self._radix
+
+    @property
+    def table(self) -> ReqToTokenTable:
+        """The `req_to_token` table the scheduler writes."""
+        return self._table
+
+    @property
+    def rows(self) -> RowAllocator:
+        """The `req_to_token` row allocator."""
+        return self._rows
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        """Running requests in admission order."""
+        return tuple(self._running)
+
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        """Waiting requests, next to admit first."""
+        return tuple(self._waiting)
+
+    def get(self, request_id: str) -> Request:
+        """Any request ever added, by id (KeyError when unknown)."""
+        return self._requests[request_id]
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._waiting or self._running)
+
+    def stats(self) -> SchedulerStats:
+        """A frozen snapshot of the counters."""
+        return self._counters.snapshot()
+
+    # ---- request lifecycle -----------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingSpec | None = None,
+    ) -> Request:
+        """Queue a request; raises ValueError for a duplicate id or one that can never fit."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use; pick a unique id")
+        if not prompt:
+            raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(
+                f"request {request_id!r} max_new_tokens must be >= 1, got {max_new_tokens}"
+            )
+        limit = self._config.max_request_tokens
+        if len(prompt) + max_new_tokens > limit:
+            raise ValueError(
+                f"request {request_id!r} needs prompt {len(prompt)} + max_new_tokens "
+                f"{max_new_tokens} <= {limit} (max_context_len / num_slots); shorten it"
+            )
+        req = Request(
+            request_id, tuple(int(t) for t in prompt), max_new_tokens, sampling or SamplingSpec()
+        )
+        self._requests[request_id] = req
+        self._waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request, releasing everything it holds; False when it is
+        unknown or already finished/aborted. Call between steps."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        if req.status is RequestStatus.WAITING:
+            self._waiting.remove(req)
+        elif req.status is RequestStatus.RUNNING:
+            self._release(req, cache=False)
+            self._running.remove(req)
+        else:
+            return False
+        req.status = RequestStatus.ABORTED
+        self._counters.requests_aborted += 1
+        return True
+
+    def retract(self, request_id: str) -> bool:
+        """Preempt a running request: cache its computed prefix, free its row and queue it first.
+        Returns False when it is not running. Call between steps."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING:
+            return False
+        self._retract(req)
+        return True
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """Build the next forward, or None when nothing can be scheduled."""
+        cfg = self._config
+        self._step += 1
+        self._pending = {}
+        self._budget = cfg.max_prefill_tokens
+        retractions = self._counters.retractions
+        order = sorted(self._running, key=lambda r: (r.last_scheduled, r.admit_seq))
+        chosen = sorted(order[: cfg.max_batch_size], key=lambda r: r.admit_seq)
+        decoding = [r for r in chosen if r.num_to_compute == 1]
+        prefilling = [r for r in chosen if r.num_to_compute > 1]
+        could_admit = bool(self._waiting) and len(self._running) < cfg.max_running_requests
+        speculate = (
+            cfg.speculative_num_draft_tokens > 0
+            and not prefilling
+            and not (could_admit and len(chosen) < cfg.max_batch_size)
+        )
+        for req in decoding:
+            if req.status is RequestStatus.RUNNING:
+                self._schedule_decode(req, speculate)
+        decode_ids = set(self._pending)
+        for req in prefilling:
+            if req.status is RequestStatus.RUNNING and self._budget > 0:
+                self._schedule_prefill(req)
+        if self._counters.retractions == retractions:
+            self._admit()
+        chunks = tuple(self._pending.values())
+        self._pending = {}
+        if not chunks:
+            return None
+        if any(c.request_id not in decode_ids for c in chunks):
+            kind = ForwardKind.EXTEND
+        else:
+            kind = ForwardKind.VERIFY if speculate else ForwardKind.DECODE
+        return StepPlan(kind, chunks)
+
+    def postprocess(self, plan: StepPlan, output: StepOutput) -> list[Request]:
+        """Apply the runner's samples to `plan`'s requests; returns the requests finished now.
+
+        Raises ValueError when `output` does not answer `plan` chunk for chunk."""
+        if len(output.chunks) != len(plan.chunks):
+            raise ValueError(
+                f"StepOutput has {len(output.chunks)} chunks for a {len(plan.chunks)}-chunk plan"
+            )
+        finished: list[Request] = []
+        for chunk, out in zip(plan.chunks, output.chunks, strict=True):
+            if out.request_id != chunk.request_id or len(out.sampled) != chunk.num_samples:
+                raise ValueError(
+                    f"StepOutput chunk {out.request_id!r} with {len(out.sampled)} samples does not "
+                    f"answer chunk {chunk.request_id!r} with num_samples={chunk.num_samples}"
+                )
+            req = self._requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING or req.row != chunk.row:
+                continue  # aborted or retracted since the plan was built
+            if req.num_computed != chunk.prefix_len:
+                raise RuntimeError(f"request {req.request_id!r} moved since its chunk was planned")
+            self._apply(req, chunk, out.sampled, verify=plan.kind is ForwardKind.VERIFY)
+            if req.is_done:
+                self._finish(req)
+                finished.append(req)
+        return finished
+
+    def discard(self, plan: StepPlan) -> None:
+        """Forget a plan whose forward failed: release the slots it allocated, apply nothing."""
+        for chunk in plan.chunks:
+            req = self._requests.get(chunk.request_id)
+            if req is not None and req.status is RequestStatus.RUNNING and req.row == chunk.row:
+                self._drop_uncomputed(req)
+
+    # ---- scheduling passes -----------------------------------------------------------------
+
+    def _schedule_decode(self, req: Request, speculate: bool) -> None:
+        k = 0
+        if speculate:
+            k = min(
+                self._config.speculative_num_draft_tokens,
+                req.remaining_new_tokens - 1,
+                self._config.max_context_len - req.seq_len,
+            )
+        if self._budget < k + 1:
+            return
+        slots = self._alloc_or_retract(req, k + 1)
+        if slots is None:
+            return
+        tokens = req.tokens
+        drafts = self._drafter.propose(tokens, k, req.sampling) if speculate else []
+        inputs = (tokens[-1], *drafts)
+        self._add_chunk(req, inputs, slots, len(inputs) if speculate else 1)
+
+    def _schedule_prefill(self, req: Request) -> None:
+        n = self._chunk_len(req)
+        slots = self._alloc_or_retract(req, n)
+        if slots is not None:
+            start = req.num_computed
+            final = start + n == req.seq_len
+            self._add_chunk(req, tuple(req.tokens[start : start + n]), slots, int(final))
+
+    def _admit(self) -> None:
+        cfg = self._config
+        while (
+            self._waiting
+            and len(self._running) < cfg.max_running_requests
+            and len(self._pending) < cfg.max_batch_size
+            and self._budget > 0
+        ):
+            req = self._waiting[0]
+            row = self._rows.alloc()
+            assert row is not None, "a free row exists whenever a request may be admitted"
+            matched: list[int] = []
+            if cfg.enable_prefix_cache:
+                matched, handle = self._radix.match_prefix(req.tokens[: req.seq_len - 1])
+                self._radix.lock(handle)
+                self._allocator.incref(matched)
+                req.handle = handle
+            req.row, req.slots, req.num_computed = row, list(matched), len(matched)
+            self._table.write(row, 0, matched)
+            n = self._chunk_len(req)
+            slots = self._alloc_evicting(n)
+            if slots is None:
+                self._release(req, cache=False)
+                return
+            self._waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.admit_seq = self._admissions
+            self._admissions += 1
+            self._running.append(req)
+            self._counters.radix_hit_tokens += len(matched)
+            start = req.num_computed
+            final = start + n == req.seq_len
+            self._add_chunk(req, tuple(req.tokens[start : start + n]), slots, int(final))
+
+    # ---- slots -----------------------------------------------------------------------------
+
+    def _chunk_len(self, req: Request) -> int:
+        limit = self._config.chunk_limit
+        n = min(req.num_to_compute, self._budget)
+        return n if limit is None else min(n, limit)
+
+    def _alloc_evicting(self, n: int) -> list[int] | None:
+        short = n - self._allocator.num_free
+        if short > 0 and self._config.enable_prefix_cache:
+            self._counters.evictions += self._radix.evict(short)
+        return self._allocator.alloc(n)
+
+    def _alloc_or_retract(self, req: Request, n: int) -> list[int] | None:
+        """`n` slots for `req`, retracting the newest running request until they fit; None when
+        `req` itself was retracted."""
+        while True:
+            slots = self._alloc_evicting(n)
+            if slots is not None:
+                return slots
+            victim = max(self._running, key=lambda r: r.admit_seq)
+            self._retract(victim)
+            if victim is req:
+                return None
+
+    def _add_chunk(
+        self, req: Request, inputs: tuple[int, ...], slots: list[int], num_samples: int
+    ) -> None:
+        start = req.num_computed
+        assert len(req.slots) == start, "a request has at most one chunk in flight"
+        req.slots.extend(slots)
+        self._table.write(req.row, start, slots)
+        req.last_scheduled = self._step
+        self._budget -= len(inputs)
+        self._pending[req.request_id] = ScheduledChunk(
+            request_id=req.request_id,
+            row=req.row,
+            prefix_len=start,
+            input_ids=inputs,
+            out_slots=tuple(slots),
+            num_samples=num_samples,
+            sampling=req.sampling,
+            prompt_len=len(req.prompt),
+            truth_tokens=tuple(req.tokens),
+        )
+
+    # ---- applying results and releasing ----------------------------------------------------
+
+    def _apply(
+        self, req: Request, chunk: ScheduledChunk, sampled: Sequence[int], *, verify: bool
+    ) -> None:
+        if verify:
+            drafts = chunk.input_ids[1:]
+            accepted = 0
+            while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+                accepted += 1
+            req.num_computed += accepted + 1
+            new = [*drafts[:accepted], sampled[accepted]]
+            self._counters.spec_draft_tokens += len(drafts)
+            self._counters.spec_accepted_tokens += accepted
+        else:
+            req.num_computed += len(chunk.input_ids)
+            new = list(sampled[-1:])
+        self._drop_uncomputed(req)
+        new = new[: req.remaining_new_tokens]
+        req.output.extend(new)
+        self._counters.tokens_generated += len(new)
+
+    def _drop_uncomputed(self, req: Request) -> None:
+        """Release slots past `num_computed` (rejected drafts, a discarded chunk) and zero their
+        `req_to_token` entries."""
+        extra = req.slots[req.num_computed :]
+        if extra:
+            del req.slots[req.num_computed :]
+            self._allocator.decref(extra)
+            self._table.write(req.row, req.num_computed, [0] * len(extra))
+
+    def _finish(self, req: Request) -> None:
+        self._release(req, cache=True)
+        self._running.remove(req)
+        req.status = RequestStatus.FINISHED
+        self._counters.requests_finished += 1
+
+    def _retract(self, req: Request) -> None:
+        dropped = self._pending.pop(req.request_id, None)
+        if dropped is not None:
+            self._budget += len(dropped.input_ids)
+        self._release(req, cache=True)
+        self._running.remove(req)
+        req.status = RequestStatus.WAITING
+        self._waiting.appendleft(req)
+        self._counters.retractions += 1
+
+    def _release(self, req: Request, *, cache: bool) -> None:
+        """Give back everything `req` holds: KV slots (computed prefix into the radix cache when
+        `cache`), the radix lock and the `req_to_token` row."""
+        done = req.num_computed
+        if cache and self._config.enable_prefix_cache and done > 0:
+            self._radix.insert(req.tokens[:done], req.slots[:done])
+            self._allocator.decref(req.slots[done:])
+        else:
+            self._allocator.decref(req.slots)
+        if req.handle is not None:
+            self._radix.unlock(req.handle)
+        self._table.clear(req.row)
+        self._rows.free(req.row)
+        req.slots, req.num_computed, req.handle, req.row = [], 0, None, 0
