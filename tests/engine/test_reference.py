@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from kvcanary.engine.config import EngineConfig
+from kvcanary.engine.engine import Engine
 from kvcanary.engine.kv_pool import KvPool
 from kvcanary.engine.model import ModelConfig, TinyLlama
 from kvcanary.engine.paged_attention import PagedKv
@@ -199,3 +201,34 @@ def test_temperature_tokens_are_stable_across_re_prefill(model: TinyLlama) -> No
     again = Req(row=2, prompt=PROMPT_B + first.outputs[:half], chunk_sizes=[3, 3, 5], spec=spec)
     generate(runner2, table2, [again], MAX_NEW - half, shuffled_slots(2))
     assert again.outputs == first.outputs[half:]
+
+
+@pytest.mark.parametrize("drafts", [0, 2])
+def test_engine_end_to_end_equals_reference(model: TinyLlama, drafts: int) -> None:
+    """The full engine (scheduler, radix sharing, chunked prefill, speculation) on this runner."""
+    config = EngineConfig(
+        num_slots=96,
+        max_context_len=32,  # as make_runner's table
+        vocab_size=CONFIG.vocab_size,
+        max_running_requests=4,
+        max_batch_size=4,
+        chunked_prefill_size=5,
+        max_prefill_tokens=12,
+        speculative_num_draft_tokens=drafts,
+    )
+    runner, table = make_runner(model)
+    engine = Engine(config, runner, table=table)
+    rng = random.Random(drafts)
+    shared = [rng.randrange(128) for _ in range(9)]
+    prompts = {
+        f"r{i}": shared[: rng.randrange(3, 9)]
+        + [rng.randrange(128) for _ in range(rng.randrange(1, 6))]
+        for i in range(6)
+    }
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, MAX_NEW)
+    finished = engine.run_until_idle(max_steps=500)
+    assert sorted(f.request_id for f in finished) == sorted(prompts)
+    assert engine.stats().radix_hit_tokens > 0
+    for f in finished:
+        assert list(f.output) == greedy_reference(model, prompts[f.request_id], MAX_NEW)
