@@ -41,7 +41,7 @@ class PagedKv:
                 "PagedKv rows, prefix_lens and extend_lens lengths differ: "
                 f"{len(self.rows)}, {len(self.prefix_lens)}, {len(self.extend_lens)}"
             )
-        total = sum(max(0, n) for n in self.extend_lens)
+        total = self.num_tokens
         if self.out_slots.shape[0] < total:
             raise ValueError(
                 f"PagedKv chunks need {total} out_slots but only {self.out_slots.shape[0]} given"
