@@ -154,7 +154,7 @@ def build_plan(  # type: ignore[no-untyped-def]
         if rows[r] == 0:
             continue
         row = rows[r]
-        limit = min(truth_lens[r], ncols)
+        limit = min(truth_lens[r], ncols, truth.shape[1])
         for pos in range(max(0, prefix_lens[r] - window), prefix_lens[r]):
             s, ok = _translate(r2t[row, pos], lut, use_lut)
             p = -1

@@ -109,7 +109,7 @@ def build_plan(
         row, prefix = int(rows[r]), int(prefix_lens[r])
         if row == 0:
             continue
-        limit = min(int(truth_lens[r]), ncols)
+        limit = min(int(truth_lens[r]), ncols, truth.shape[1])
         for pos in range(max(0, prefix - window), prefix):
             slot, ok = _translate(r2t[row, pos], lut, use_lut)
             prev, ok2 = _translate(r2t[row, pos - 1], lut, use_lut) if pos > 0 else (-1, True)
