@@ -19,7 +19,8 @@ class EngineConfig:
         max_batch_size: batch rows (chunks) per forward.
         chunked_prefill_size: most prefill tokens of one request per forward; None or -1 means
             unlimited.
-        max_prefill_tokens: per-step token budget (prefill, decode and verify tokens together).
+        max_prefill_tokens: per-step token budget (prefill, decode and verify tokens together);
+            decodes that do not fit wait for a later step.
         speculative_num_draft_tokens: drafts per speculative verify (k); 0 turns it off.
         enable_prefix_cache: share KV of common prefixes through the radix cache.
         seed: seeds the slot allocator's initial free order.
@@ -53,12 +54,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.chunked_prefill_size must be None, -1 or >= 1, got {chunk}; use None for unlimited"
             )
-        need = self.max_batch_size * (self.speculative_num_draft_tokens + 1)
-        if self.max_prefill_tokens < need:
+        if self.max_prefill_tokens < self.speculative_num_draft_tokens + 1:
             raise ValueError(
-                f"EngineConfig.max_prefill_tokens must be >= max_batch_size * "
-                f"(speculative_num_draft_tokens + 1) = {need}, got {self.max_prefill_tokens}; "
-                "raise it or lower max_batch_size"
+                f"EngineConfig.max_prefill_tokens must be >= speculative_num_draft_tokens + 1 = "
+                f"{self.speculative_num_draft_tokens + 1}, got {self.max_prefill_tokens}; raise it"
             )
 
     @property

@@ -1,4 +1,4 @@
-"""Drafters for speculative decoding: propose the next k tokens of a sequence (ints only).
+"""Speculative decoding on ints: drafters propose the next k tokens, `count_accepted` checks them.
 
 Two drafters, chosen per request by `SamplingSpec.oracle`:
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvcanary.contract import TokenOracle
 from kvcanary.engine.plan import SamplingSpec
 
-__all__ = ["Drafter", "propose_ngram"]
+__all__ = ["Drafter", "count_accepted", "propose_ngram"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,3 +50,12 @@ def propose_ngram(tokens: Sequence[int], k: int, max_ngram: int = 3) -> list[int
                 cont = list(tokens[start + n : start + n + k])
                 return cont + [cont[-1]] * (k - len(cont))
     return [tokens[-1]] * k
+
+
+def count_accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
+    """Accepted drafts of one verify: the longest prefix with `sampled[i] == drafts[i]`, where
+    `sampled[i]` is the target's token after input `i` (the last token, then the drafts)."""
+    accepted = 0
+    while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+        accepted += 1
+    return accepted

@@ -157,12 +157,15 @@ class RadixCache:
 
     def evict(self, num_slots: int) -> int:
         """Evict least-recently-used unlocked leaves until `num_slots` slots were freed or none
-        is left; returns the number of slots freed."""
+        is left; returns the number of slots freed. The last leaf may lose only its tail."""
         heap = [(n.last_access, n.node_id, n) for n in self._nodes() if _evictable_leaf(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_slots and heap:
             _, _, leaf = heapq.heappop(heap)
+            need = num_slots - freed
+            if len(leaf.key) > need:  # evict only the tail; the prefix stays cached
+                self._split(leaf, len(leaf.key) - need)
             parent = leaf.parent
             assert parent is not None
             del parent.children[leaf.key[0]]

@@ -24,12 +24,11 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvcanary.engine.config import EngineConfig
-from kvcanary.engine.drafter import Drafter
+from kvcanary.engine.drafter import Drafter, count_accepted
+from kvcanary.engine.kv_manager import KvManager
 from kvcanary.engine.plan import ForwardKind, SamplingSpec, ScheduledChunk, StepOutput, StepPlan
 from kvcanary.engine.radix_cache import RadixCache
-from kvcanary.engine.req_rows import RowAllocator
 from kvcanary.engine.request import Request, RequestStatus
-from kvcanary.engine.slot_allocator import SlotAllocator
 from kvcanary.engine.stats import SchedulerCounters, SchedulerStats
 from kvcanary.engine.table import ReqToTokenTable
 
@@ -41,18 +40,15 @@ class Scheduler:
 
     __slots__ = (
         "_admissions",
-        "_allocator",
         "_budget",
         "_config",
         "_counters",
         "_drafter",
+        "_kv",
         "_pending",
-        "_radix",
         "_requests",
-        "_rows",
         "_running",
         "_step",
-        "_table",
         "_waiting",
     )
 
@@ -60,10 +56,13 @@ class Scheduler:
         """A scheduler for `config`; `table` has `max_running_requests + 1` rows of
         `max_context_len` positions, zero-initialised."""
         self._config = config
-        self._table = table
-        self._allocator = SlotAllocator(config.num_slots, seed=config.seed)
-        self._rows = RowAllocator(config.max_running_requests + 1)
-        self._radix = RadixCache(self._allocator)
+        self._kv = KvManager(
+            num_slots=config.num_slots,
+            num_rows=config.max_running_requests + 1,
+            table=table,
+            enable_prefix_cache=config.enable_prefix_cache,
+            seed=config.seed,
+        )
         self._drafter = Drafter(config.vocab_size)
         self._counters = SchedulerCounters()
         self._requests: dict[str, Request] = {}
@@ -77,24 +76,19 @@ class Scheduler:
     # ---- read-only views -------------------------------------------------------------------
 
     @property
-    def allocator(self) -> SlotAllocator:
-        """The slot allocator (read it; do not allocate from outside)."""
-        return self._allocator
+    def config(self) -> EngineConfig:
+        """The configuration the scheduler was built with."""
+        return self._config
+
+    @property
+    def kv(self) -> KvManager:
+        """Slots, rows, prefix cache and table (read them; do not allocate from outside)."""
+        return self._kv
 
     @property
     def prefix_cache(self) -> RadixCache:
         """The radix cache; it is the `PrefixCacheWalker` the canary sweeps."""
-        return self._radix
-
-    @property
-    def table(self) -> ReqToTokenTable:
-        """The `req_to_token` table the scheduler writes."""
-        return self._table
-
-    @property
-    def rows(self) -> RowAllocator:
-        """The `req_to_token` row allocator."""
-        return self._rows
+        return self._kv.prefix_cache
 
     @property
     def running(self) -> tuple[Request, ...]:
@@ -117,6 +111,18 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """A frozen snapshot of the counters."""
         return self._counters.snapshot()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError on any inconsistency between requests, slots, rows, the prefix
+        cache and the table (see `KvManager`). Call between steps; costs O(pool + table)."""
+        for req in self._running:
+            assert req.status is RequestStatus.RUNNING and req.row != 0
+            assert len(req.slots) == req.num_computed < req.seq_len, f"{req.request_id}: slots"
+        for req in self._waiting:
+            assert req.status is RequestStatus.WAITING and req.row == 0 and not req.slots
+            assert req.handle is None
+        assert len(self._running) <= self._config.max_running_requests
+        self._kv.check_integrity(self._running, self._config.max_context_len)
 
     # ---- request lifecycle -----------------------------------------------------------------
 
@@ -158,7 +164,7 @@ class Scheduler:
         if req.status is RequestStatus.WAITING:
             self._waiting.remove(req)
         elif req.status is RequestStatus.RUNNING:
-            self._release(req, cache=False)
+            self._kv.release(req, cache=False)
             self._running.remove(req)
         else:
             return False
@@ -186,8 +192,9 @@ class Scheduler:
         retractions = self._counters.retractions
         order = sorted(self._running, key=lambda r: (r.last_scheduled, r.admit_seq))
         chosen = sorted(order[: cfg.max_batch_size], key=lambda r: r.admit_seq)
-        decoding = [r for r in chosen if r.num_to_compute == 1]
-        prefilling = [r for r in chosen if r.num_to_compute > 1]
+        # a decode feeds back a sampled token; a 1-token prompt tail is still a prefill chunk
+        decoding = [r for r in chosen if r.num_to_compute == 1 and r.output]
+        prefilling = [r for r in chosen if r not in decoding]
         could_admit = bool(self._waiting) and len(self._running) < cfg.max_running_requests
         speculate = (
             cfg.speculative_num_draft_tokens > 0
@@ -244,7 +251,7 @@ class Scheduler:
         for chunk in plan.chunks:
             req = self._requests.get(chunk.request_id)
             if req is not None and req.status is RequestStatus.RUNNING and req.row == chunk.row:
-                self._drop_uncomputed(req)
+                self._kv.drop_uncomputed(req)
 
     # ---- scheduling passes -----------------------------------------------------------------
 
@@ -283,27 +290,18 @@ class Scheduler:
             and self._budget > 0
         ):
             req = self._waiting[0]
-            row = self._rows.alloc()
-            assert row is not None, "a free row exists whenever a request may be admitted"
-            matched: list[int] = []
-            if cfg.enable_prefix_cache:
-                matched, handle = self._radix.match_prefix(req.tokens[: req.seq_len - 1])
-                self._radix.lock(handle)
-                self._allocator.incref(matched)
-                req.handle = handle
-            req.row, req.slots, req.num_computed = row, list(matched), len(matched)
-            self._table.write(row, 0, matched)
+            matched = self._kv.attach(req)
             n = self._chunk_len(req)
             slots = self._alloc_evicting(n)
             if slots is None:
-                self._release(req, cache=False)
+                self._kv.release(req, cache=False)
                 return
             self._waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.admit_seq = self._admissions
             self._admissions += 1
             self._running.append(req)
-            self._counters.radix_hit_tokens += len(matched)
+            self._counters.radix_hit_tokens += matched
             start = req.num_computed
             final = start + n == req.seq_len
             self._add_chunk(req, tuple(req.tokens[start : start + n]), slots, int(final))
@@ -316,10 +314,9 @@ class Scheduler:
         return n if limit is None else min(n, limit)
 
     def _alloc_evicting(self, n: int) -> list[int] | None:
-        short = n - self._allocator.num_free
-        if short > 0 and self._config.enable_prefix_cache:
-            self._counters.evictions += self._radix.evict(short)
-        return self._allocator.alloc(n)
+        slots, evicted = self._kv.alloc(n)
+        self._counters.evictions += evicted
+        return slots
 
     def _alloc_or_retract(self, req: Request, n: int) -> list[int] | None:
         """`n` slots for `req`, retracting the newest running request until they fit; None when
@@ -338,8 +335,7 @@ class Scheduler:
     ) -> None:
         start = req.num_computed
         assert len(req.slots) == start, "a request has at most one chunk in flight"
-        req.slots.extend(slots)
-        self._table.write(req.row, start, slots)
+        self._kv.extend(req, slots)
         req.last_scheduled = self._step
         self._budget -= len(inputs)
         self._pending[req.request_id] = ScheduledChunk(
@@ -361,9 +357,7 @@ class Scheduler:
     ) -> None:
         if verify:
             drafts = chunk.input_ids[1:]
-            accepted = 0
-            while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
-                accepted += 1
+            accepted = count_accepted(drafts, sampled)
             req.num_computed += accepted + 1
             new = [*drafts[:accepted], sampled[accepted]]
             self._counters.spec_draft_tokens += len(drafts)
@@ -371,22 +365,13 @@ class Scheduler:
         else:
             req.num_computed += len(chunk.input_ids)
             new = list(sampled[-1:])
-        self._drop_uncomputed(req)
+        self._kv.drop_uncomputed(req)
         new = new[: req.remaining_new_tokens]
         req.output.extend(new)
         self._counters.tokens_generated += len(new)
 
-    def _drop_uncomputed(self, req: Request) -> None:
-        """Release slots past `num_computed` (rejected drafts, a discarded chunk) and zero their
-        `req_to_token` entries."""
-        extra = req.slots[req.num_computed :]
-        if extra:
-            del req.slots[req.num_computed :]
-            self._allocator.decref(extra)
-            self._table.write(req.row, req.num_computed, [0] * len(extra))
-
     def _finish(self, req: Request) -> None:
-        self._release(req, cache=True)
+        self._kv.release(req, cache=True)
         self._running.remove(req)
         req.status = RequestStatus.FINISHED
         self._counters.requests_finished += 1
@@ -395,23 +380,8 @@ class Scheduler:
         dropped = self._pending.pop(req.request_id, None)
         if dropped is not None:
             self._budget += len(dropped.input_ids)
-        self._release(req, cache=True)
+        self._kv.release(req, cache=True)
         self._running.remove(req)
         req.status = RequestStatus.WAITING
         self._waiting.appendleft(req)
         self._counters.retractions += 1
-
-    def _release(self, req: Request, *, cache: bool) -> None:
-        """Give back everything `req` holds: KV slots (computed prefix into the radix cache when
-        `cache`), the radix lock and the `req_to_token` row."""
-        done = req.num_computed
-        if cache and self._config.enable_prefix_cache and done > 0:
-            self._radix.insert(req.tokens[:done], req.slots[:done])
-            self._allocator.decref(req.slots[done:])
-        else:
-            self._allocator.decref(req.slots)
-        if req.handle is not None:
-            self._radix.unlock(req.handle)
-        self._table.clear(req.row)
-        self._rows.free(req.row)
-        req.slots, req.num_computed, req.handle, req.row = [], 0, None, 0
