@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from kvcanary.canary import Canary, CanaryConfig, CanaryLaunchCapacities, CanaryMode, RealDataMode, install
+from kvcanary.canary import (
+    Canary,
+    CanaryConfig,
+    CanaryLaunchCapacities,
+    CanaryMode,
+    RealDataMode,
+    install,
+)
 from kvcanary.contract import ForwardView
 from tests.canary.handpool import HandPool
 
@@ -32,9 +39,17 @@ def make_canary(request: pytest.FixtureRequest) -> MakeCanary:
     def build(*, pool: HandPool | None = None, read_bytes: int | None = 16, caps: dict[str, Any] | None = None,
               oracle: Any = None, **config: Any) -> tuple[HandPool, Canary]:  # fmt: skip
         pool = pool or HandPool()
-        base = CanaryConfig(mode=CanaryMode.LOG, real_data=RealDataMode.PARTIAL, stats_print_every_n_steps=0)
+        base = CanaryConfig(
+            mode=CanaryMode.LOG, real_data=RealDataMode.PARTIAL, stats_print_every_n_steps=0
+        )
         cfg = replace(base, **config)
-        canary = install(cfg, [pool.group(read_bytes)], capacities(pool, **(caps or {})), oracle, kernels=request.param)
+        canary = install(
+            cfg,
+            [pool.group(read_bytes)],
+            capacities(pool, **(caps or {})),
+            oracle,
+            kernels=request.param,
+        )
         assert canary is not None
         return pool, canary
 

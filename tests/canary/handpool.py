@@ -74,11 +74,17 @@ class HandPool:
 
     def write_kv(self, view: ForwardView) -> None:
         """What the model would do: deterministic K bytes for every written slot."""
-        for slot, tok, p in zip(view.out_slots.tolist(), view.input_ids.tolist(), view.positions.tolist(), strict=True):
+        for slot, tok, p in zip(
+            view.out_slots.tolist(), view.input_ids.tolist(), view.positions.tolist(), strict=True
+        ):
             if slot > 0:
                 self.k[slot] = (torch.arange(BYTES_PER_TOKEN) * 7 + tok * 13 + p) % 251
 
     def group(self, read_bytes: int | None = 16) -> BufferGroupSpec:
         """The FULL group with the K tensor as its only source (none when read_bytes is None)."""
-        sources = () if read_bytes is None else (RealKvSource(self.k, 1, BYTES_PER_TOKEN, read_bytes),)
-        return BufferGroupSpec(kind=GroupKind.FULL, num_slots=self.num_slots, has_v=False, k_sources=sources)
+        sources = (
+            () if read_bytes is None else (RealKvSource(self.k, 1, BYTES_PER_TOKEN, read_bytes),)
+        )
+        return BufferGroupSpec(
+            kind=GroupKind.FULL, num_slots=self.num_slots, has_v=False, k_sources=sources
+        )

@@ -11,7 +11,11 @@ from kvcanary.canary import CanaryConfig, CanaryMode, RealDataMode
 
 
 def build(env: dict[str, str] | None = None, **kw: object) -> CanaryConfig:
-    args: dict[str, object] = {"kv_canary": "log", "kv_canary_real_data": "none", "kv_canary_sweep_interval": 0}
+    args: dict[str, object] = {
+        "kv_canary": "log",
+        "kv_canary_real_data": "none",
+        "kv_canary_sweep_interval": 0,
+    }
     args.update(kw)
     return CanaryConfig.from_args_and_env(environ=env or {}, **args)  # type: ignore[arg-type]
 
@@ -49,19 +53,31 @@ BAD = [
 
 
 @pytest.mark.parametrize(("args", "env", "message"), BAD)
-def test_validation_messages_are_exact(args: dict[str, object], env: dict[str, str], message: str) -> None:
+def test_validation_messages_are_exact(
+    args: dict[str, object], env: dict[str, str], message: str
+) -> None:
     with pytest.raises(ValueError) as err:
         build(env, **args)
     assert str(err.value) == message
 
 
 def test_booleans_accept_all_spellings() -> None:
-    for word, value in [("1", True), ("yes", True), ("ON", True), ("true", True), ("0", False), ("No", False), ("off", False)]:
+    for word, value in [
+        ("1", True),
+        ("yes", True),
+        ("ON", True),
+        ("true", True),
+        ("0", False),
+        ("No", False),
+        ("off", False),
+    ]:
         assert build({"KVCANARY_ENABLE_V": word}).enable_v is value
 
 
 def test_target_group_is_normalised() -> None:
-    cfg = build({"KVCANARY_PERTURB_CANARY_TAMPER_PROB": "1", "KVCANARY_PERTURB_TARGET_GROUP": " SWA "})
+    cfg = build(
+        {"KVCANARY_PERTURB_CANARY_TAMPER_PROB": "1", "KVCANARY_PERTURB_TARGET_GROUP": " SWA "}
+    )
     assert cfg.perturb.target_group == "swa" and cfg.perturb.probability("canary_tamper") == 1.0
 
 

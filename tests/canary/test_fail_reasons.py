@@ -54,7 +54,11 @@ def test_verify_chain_hash_from_a_wrong_mapping(make_canary: MakeCanary) -> None
     rows = summary(canary.drain_violations())
     successor = int(pool.r2t[2, 2])
     assert sorted(rows) == sorted(
-        [(stage, "verify_chain_hash", slot) for stage in ("HEAD_K_FULL", "TAIL_K_FULL") for slot in (donor, successor)]
+        [
+            (stage, "verify_chain_hash", slot)
+            for stage in ("HEAD_K_FULL", "TAIL_K_FULL")
+            for slot in (donor, successor)
+        ]
     )
 
 
@@ -65,7 +69,10 @@ def test_verify_position_from_a_position_bug(make_canary: MakeCanary) -> None:
     forward(pool, canary, view)
     forward(pool, canary, pool.view([(1, [11])]))
     bad = int(pool.r2t[1, 2])
-    assert summary(canary.drain_violations()) == [("HEAD_K_FULL", "verify_position", bad), ("TAIL_K_FULL", "verify_position", bad)]
+    assert summary(canary.drain_violations()) == [
+        ("HEAD_K_FULL", "verify_position", bad),
+        ("TAIL_K_FULL", "verify_position", bad),
+    ]
 
 
 def test_verify_real_kv_hash_from_a_byte_flip(make_canary: MakeCanary) -> None:
@@ -84,11 +91,16 @@ def test_write_token_from_the_write_input_assert(make_canary: MakeCanary) -> Non
     pool, canary = make_canary(enable_write_input_assert=True, oracle=oracle)
     view = pool.view([(1, [5, 7, 9])])
     expected = ExpectedInputs(tokens=torch.tensor([5, 7, 8]), positions=torch.tensor([0, 1, 2]))
-    view = type(view)(**{**{f: getattr(view, f) for f in view.__slots__}, "expected_inputs": expected})  # type: ignore[attr-defined]
+    view = type(view)(
+        **{**{f: getattr(view, f) for f in view.__slots__}, "expected_inputs": expected}
+    )  # type: ignore[attr-defined]
     forward(pool, canary, view)
     slot = int(pool.r2t[1, 2])
     violations = canary.drain_violations()
-    assert summary(violations) == [("HEAD_K_FULL", "write_token", slot), ("TAIL_K_FULL", "write_token", slot)]
+    assert summary(violations) == [
+        ("HEAD_K_FULL", "write_token", slot),
+        ("TAIL_K_FULL", "write_token", slot),
+    ]
     assert violations[0].expected_token == 8 and violations[0].expected_aux == 2
     assert violations[0].message.splitlines()[-3:-1] == [
         f"  actual:   token_id=9   position=2 prev_hash={mix3(mix3(HEAD_HASH, 5, 0), 7, 1):#018x}",
@@ -107,8 +119,15 @@ def test_write_position_from_the_chain_position_assert(make_canary: MakeCanary) 
     forward(pool, canary, view)
     slot = int(pool.r2t[1, 2])
     violations = canary.drain_violations()
-    assert summary(violations) == [("HEAD_K_FULL", "write_position", slot), ("TAIL_K_FULL", "write_position", slot)]
-    assert (violations[0].stored_token, violations[0].expected_token, violations[0].expected_aux) == (9, 9, 2)
+    assert summary(violations) == [
+        ("HEAD_K_FULL", "write_position", slot),
+        ("TAIL_K_FULL", "write_position", slot),
+    ]
+    assert (
+        violations[0].stored_token,
+        violations[0].expected_token,
+        violations[0].expected_aux,
+    ) == (9, 9, 2)
 
 
 def test_verify_token_from_a_sampled_token_mixup(make_canary: MakeCanary) -> None:
@@ -118,7 +137,10 @@ def test_verify_token_from_a_sampled_token_mixup(make_canary: MakeCanary) -> Non
     forward(pool, canary, pool.view([(1, [11])]))
     slot = int(pool.r2t[1, 1])
     violations = canary.drain_violations()
-    assert summary(violations) == [("HEAD_K_FULL", "verify_token", slot), ("TAIL_K_FULL", "verify_token", slot)]
+    assert summary(violations) == [
+        ("HEAD_K_FULL", "verify_token", slot),
+        ("TAIL_K_FULL", "verify_token", slot),
+    ]
     assert violations[0].message.splitlines()[-2].startswith("  expected: token_id=70 prev_hash=0x")
 
 

@@ -46,7 +46,9 @@ def test_mix3_is_order_sensitive_and_masked(a: int, b: int, c: int) -> None:
     assert h == mix3(a & (2**64 - 1), b, c & (2**64 - 1))
 
 
-@given(st.lists(st.integers(0, 2**64 - 1), min_size=2, max_size=8).filter(lambda w: len(w) % 2 == 0))
+@given(
+    st.lists(st.integers(0, 2**64 - 1), min_size=2, max_size=8).filter(lambda w: len(w) % 2 == 0)
+)
 def test_fold_word_at_a_time_equals_bytes(words: list[int]) -> None:
     tile = b"".join(w.to_bytes(8, "little") for w in words)
     acc = 0

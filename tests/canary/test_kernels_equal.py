@@ -27,9 +27,13 @@ def batches(draw: st.DrawFn) -> dict[str, Any]:
     use_lut = draw(st.booleans())
     n_group = draw(st.integers(2, 48)) if use_lut else n_full
     nrows_table, ncols = draw(st.integers(2, 6)), draw(st.integers(1, 12))
-    r2t = rng.integers(0, n_full, size=(nrows_table, ncols)).astype(draw(st.sampled_from([np.int32, np.int64])))
+    r2t = rng.integers(0, n_full, size=(nrows_table, ncols)).astype(
+        draw(st.sampled_from([np.int32, np.int64]))
+    )
     n_active = draw(st.integers(0, nrows_table - 1))
-    rows = list(rng.permutation(np.arange(1, nrows_table))[:n_active]) + [0] * draw(st.integers(0, 2))
+    rows = list(rng.permutation(np.arange(1, nrows_table))[:n_active]) + [0] * draw(
+        st.integers(0, 2)
+    )
     prefix, extend = [], []
     for row in rows:
         p = int(rng.integers(0, ncols + 1)) if row else int(rng.integers(0, 5))
@@ -39,10 +43,13 @@ def batches(draw: st.DrawFn) -> dict[str, Any]:
     num_tokens = wl + draw(st.integers(0, 3))
     # Distinct positive write slots per forward (an engine never writes one slot twice), plus -1 and 0.
     fresh = list(rng.permutation(np.arange(1, n_full)))
-    out = [int(rng.choice([-1, 0])) if rng.random() < 0.2 or not fresh else int(fresh.pop()) for _ in range(num_tokens)]
+    out = [
+        int(rng.choice([-1, 0])) if rng.random() < 0.2 or not fresh else int(fresh.pop())
+        for _ in range(num_tokens)
+    ]
     lut = np.zeros(0, dtype=np.int64)
     if use_lut:
-        targets = rng.permutation(np.arange(1, max(n_group, n_full + 1)))[: n_full] % n_group
+        targets = rng.permutation(np.arange(1, max(n_group, n_full + 1)))[:n_full] % n_group
         lut = np.where(rng.random(n_full) < 0.25, 0, targets).astype(np.int64)
         lut[0] = 0
         # injective on nonzero values so two writes never land on one SWA slot
@@ -59,7 +66,9 @@ def batches(draw: st.DrawFn) -> dict[str, Any]:
         nbpt = draw(st.sampled_from([16, 32]))
         extra = draw(st.sampled_from([0, 16]))
         rows_needed = (n_group + page - 1) // page
-        tensor = torch.from_numpy(rng.integers(0, 256, size=(rows_needed, page * nbpt + extra), dtype=np.uint8))
+        tensor = torch.from_numpy(
+            rng.integers(0, 256, size=(rows_needed, page * nbpt + extra), dtype=np.uint8)
+        )
         sources.append(RealKvSource(tensor, page, nbpt, draw(st.sampled_from([16, nbpt]))))
     mode = draw(st.sampled_from([RealDataMode.PARTIAL, RealDataMode.ALL]))
     truth_w = draw(st.integers(0, ncols))
@@ -77,7 +86,8 @@ def batches(draw: st.DrawFn) -> dict[str, Any]:
         "truth_lens": rng.integers(0, truth_w + 2, size=len(rows)).astype(np.int64),
         "offset": draw(st.sampled_from([0, 1])),
         "verify_capacity": draw(st.sampled_from([10_000, 3])),
-        "records": rng.integers(0, 2**63, size=(n_group, 4), dtype=np.int64) % draw(st.sampled_from([4, 2**62])),
+        "records": rng.integers(0, 2**63, size=(n_group, 4), dtype=np.int64)
+        % draw(st.sampled_from([4, 2**62])),
         "ids": rng.integers(0, 6, size=num_tokens).astype(np.int64),
         "positions": rng.integers(0, 6, size=num_tokens).astype(np.int64),
         "exp_tok": rng.integers(0, 6, size=num_tokens).astype(np.int64),
@@ -104,7 +114,19 @@ def run(kernels: Any, b: dict[str, Any]) -> dict[str, Any]:
     state = np.zeros(1, dtype=np.int64)
     src = b["sources"]
     if not overflow:
-        kernels.verify(buf, vs, vp, vpos, vt, *src.words, src.params, src.count, b["tag"], ring.view(np.uint64), state)
+        kernels.verify(
+            buf,
+            vs,
+            vp,
+            vpos,
+            vt,
+            *src.words,
+            src.params,
+            src.count,
+            b["tag"],
+            ring.view(np.uint64),
+            state,
+        )
     kernels.write(
         buf, seeds, ro, ws, b["ids"], b["positions"], b["write_assert"], b["exp_tok"], b["exp_pos"],
         b["chain_position"], *src.words, src.params, src.count, b["tag"], ring.view(np.uint64), state,

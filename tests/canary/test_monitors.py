@@ -19,7 +19,9 @@ class ListWalker:
     def __init__(self, pool: HandPool, rows: list[int]) -> None:
         self.pool, self.rows = pool, rows
 
-    def walk(self, *, unlocked_only: bool = False, swa_resident_only: bool = False) -> Iterable[tuple[int, int, int]]:
+    def walk(
+        self, *, unlocked_only: bool = False, swa_resident_only: bool = False
+    ) -> Iterable[tuple[int, int, int]]:
         for row in self.rows:
             yield from walk_node_slots(self.pool.r2t[row, : self.pool.lengths[row]].tolist(), 0, -1)
 
@@ -28,7 +30,9 @@ def test_walker_positions_and_prev() -> None:
     assert list(walk_node_slots([4, 9], 3, 7)) == [(4, 3, 7), (9, 4, 4)]
 
 
-def test_sweep_cadence_interval_four(make_canary: MakeCanary, caplog: pytest.LogCaptureFixture) -> None:
+def test_sweep_cadence_interval_four(
+    make_canary: MakeCanary, caplog: pytest.LogCaptureFixture
+) -> None:
     pool, canary = make_canary(sweep_interval=4)
     canary.attach_prefix_cache(walker=ListWalker(pool, []))
     swept = []
@@ -47,7 +51,9 @@ def test_no_sweep_without_walker_or_interval(make_canary: MakeCanary) -> None:
     assert canary.sweep_passes == 0
 
 
-def test_sweep_catches_a_flip_in_an_untouched_cached_slot(make_canary: MakeCanary, caplog: pytest.LogCaptureFixture) -> None:
+def test_sweep_catches_a_flip_in_an_untouched_cached_slot(
+    make_canary: MakeCanary, caplog: pytest.LogCaptureFixture
+) -> None:
     pool, canary = make_canary(sweep_interval=1)
     forward(pool, canary, pool.view([(1, [5, 6, 7])]))
     canary.attach_prefix_cache(walker=ListWalker(pool, [1]))
@@ -61,7 +67,9 @@ def test_sweep_catches_a_flip_in_an_untouched_cached_slot(make_canary: MakeCanar
     assert "[canary] sweep pass=1 step=1 entries=3" in caplog.messages
 
 
-def test_health_check_raise_and_log(make_canary: MakeCanary, caplog: pytest.LogCaptureFixture) -> None:
+def test_health_check_raise_and_log(
+    make_canary: MakeCanary, caplog: pytest.LogCaptureFixture
+) -> None:
     for mode in (CanaryMode.RAISE, CanaryMode.LOG):
         pool, canary = make_canary(mode=mode, pool=HandPool(num_slots=256, max_len=256))
         for _ in range(101):
@@ -94,7 +102,9 @@ def test_stats_line(make_canary: MakeCanary, caplog: pytest.LogCaptureFixture) -
     ]
 
 
-def test_overflow_skips_verify_keeps_writing_and_recovers(make_canary: MakeCanary, caplog: pytest.LogCaptureFixture) -> None:
+def test_overflow_skips_verify_keeps_writing_and_recovers(
+    make_canary: MakeCanary, caplog: pytest.LogCaptureFixture
+) -> None:
     pool, canary = make_canary(pool=HandPool(num_slots=64, num_rows=4), caps={"pool_slot_count": 2})
     forward(pool, canary, pool.view([(1, [1, 2, 3, 4, 5, 6, 7])]))
     runs = dict(canary.kernel_run_counter)

@@ -31,26 +31,37 @@ def test_verify_message_is_exact() -> None:
 
 
 def test_write_message_and_kinds() -> None:
-    text = format_violation([4, 1, 5, 7, 8, 0, 6, 24], total_violations=1, ring_capacity=4, step_when_pumped=0)
+    text = format_violation(
+        [4, 1, 5, 7, 8, 0, 6, 24], total_violations=1, ring_capacity=4, step_when_pumped=0
+    )
     assert text.splitlines()[2] == "canary_kind:       sweep_k_full"
     assert text.splitlines()[4:6] == ["  actual:   token_id=7   position=5 prev_hash=0x0000000000000000",
                                       "  expected: token_id=8   position=6"]  # fmt: skip
     assert canary_kind(0) == "per_forward_head_k_full" and canary_kind(99) == "unknown(99)"
-    assert format_violation([99, 1, 1, 1, 1, 1, 1, 0], total_violations=1, ring_capacity=1, step_when_pumped=0).startswith(
-        "kv_canary violation: launch_tag=unknown(99) fail_reason=none "
-    )
+    assert format_violation(
+        [99, 1, 1, 1, 1, 1, 1, 0], total_violations=1, ring_capacity=1, step_when_pumped=0
+    ).startswith("kv_canary violation: launch_tag=unknown(99) fail_reason=none ")
     assert "+".join(fail_reason_labels(3)) == "verify_chain_hash+verify_position"
 
 
-def _zeroed_history(make_canary: MakeCanary, mode: CanaryMode, ring: int) -> tuple[HandPool, object]:
-    pool, canary = make_canary(pool=HandPool(num_slots=N + 8, num_rows=2, max_len=N + 4), mode=mode, ring_capacity=ring, read_bytes=None)
+def _zeroed_history(
+    make_canary: MakeCanary, mode: CanaryMode, ring: int
+) -> tuple[HandPool, object]:
+    pool, canary = make_canary(
+        pool=HandPool(num_slots=N + 8, num_rows=2, max_len=N + 4),
+        mode=mode,
+        ring_capacity=ring,
+        read_bytes=None,
+    )
     forward(pool, canary, pool.view([(1, list(range(N)))]))
     canary.group("full").buffer("head", "k")[:] = 0  # every HEAD record of the history is gone
     return pool, canary
 
 
 @pytest.mark.parametrize("make_canary", ["fast"], indirect=True)
-def test_log_mode_ten_thousand_violations(make_canary: MakeCanary, caplog: pytest.LogCaptureFixture) -> None:
+def test_log_mode_ten_thousand_violations(
+    make_canary: MakeCanary, caplog: pytest.LogCaptureFixture
+) -> None:
     pool, canary = _zeroed_history(make_canary, CanaryMode.LOG, 16)
     with caplog.at_level(logging.WARNING, logger="kvcanary"):
         forward(pool, canary, pool.view([(1, [1])]))  # does not raise
@@ -58,7 +69,10 @@ def test_log_mode_ten_thousand_violations(make_canary: MakeCanary, caplog: pytes
     violations = canary.drain_violations()
     assert len(violations) == 16 and [v.slot_idx for v in violations] == list(range(1, 17))
     assert sum("ring full" in m for m in caplog.messages) == 1
-    assert "kv-canary: violation ring full (capacity=16); further violation details are dropped, total=10000" in caplog.messages
+    assert (
+        "kv-canary: violation ring full (capacity=16); further violation details are dropped, total=10000"
+        in caplog.messages
+    )
     assert sum(m.startswith("kv_canary violation:") for m in caplog.messages) == 16
 
 
@@ -76,7 +90,9 @@ def test_raise_mode_raises_once_in_the_detecting_step(make_canary: MakeCanary) -
     assert canary.total_violations > N
 
 
-def test_fill_once_ring_capacity_two(make_canary: MakeCanary, caplog: pytest.LogCaptureFixture) -> None:
+def test_fill_once_ring_capacity_two(
+    make_canary: MakeCanary, caplog: pytest.LogCaptureFixture
+) -> None:
     pool, canary = make_canary(ring_capacity=2, read_bytes=None)
     forward(pool, canary, pool.view([(1, [1, 2, 3, 4, 5])]))
     canary.group("full").buffer("head", "k")[:] = 0

@@ -44,7 +44,10 @@ def test_fifth_source_is_rejected() -> None:
     src = RealKvSource(T, 1, 32, 16)
     with pytest.raises(ValueError) as err:
         BufferGroupSpec(kind=GroupKind.FULL, num_slots=4, k_sources=(src,) * 5)
-    assert str(err.value) == "kv-canary: at most 4 RealKvSource entries supported per buffer half, got 5"
+    assert (
+        str(err.value)
+        == "kv-canary: at most 4 RealKvSource entries supported per buffer half, got 5"
+    )
 
 
 def test_swa_group_needs_lut_and_window() -> None:

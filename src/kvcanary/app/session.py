@@ -1,0 +1,194 @@
+"""One `kvcanary run`: build the engine and the canary, serve the workload, summarise."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcanary.app.workload import WorkloadSpec, build_workload
+from kvcanary.canary import (
+    Canary,
+    CanaryConfig,
+    CanaryLaunchCapacities,
+    CanaryViolationError,
+    install,
+)
+from kvcanary.contract import (
+    CanaryHooks,
+    ForwardView,
+    NullHooks,
+    PrefixCacheWalker,
+    TokenOracle,
+    Violation,
+    fail_reason_labels,
+    request_key,
+)
+from kvcanary.engine.config import EngineConfig
+from kvcanary.engine.engine import Engine
+from kvcanary.engine.kv_pool import KvPool
+from kvcanary.engine.model import ModelConfig, TinyLlama
+from kvcanary.engine.oracle_model import OracleModel
+from kvcanary.engine.plan import SamplingSpec
+from kvcanary.engine.req_to_token import TorchReqToTokenTable
+from kvcanary.engine.runner import ModelRunner
+
+__all__ = ["RunSettings", "RunSummary", "TimedHooks", "run_session"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSettings:
+    """Everything `kvcanary run` needs, validated at the edge."""
+
+    canary: CanaryConfig
+    engine: EngineConfig
+    model: ModelConfig
+    model_kind: str = "tiny"  # tiny | oracle
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+
+    def __post_init__(self) -> None:
+        if self.model_kind not in ("tiny", "oracle"):
+            raise ValueError(f"--model must be tiny or oracle, got {self.model_kind!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """The run's figures (the `--json` schema) plus the violations it saw."""
+
+    figures: dict[str, Any]
+    violations: tuple[Violation, ...]
+    stopped_by_raise: bool
+
+
+class TimedHooks:
+    """Forwards every hook to the canary and adds up the time spent in it."""
+
+    def __init__(self, inner: CanaryHooks) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+        self.violations: list[Violation] = []
+
+    def _timed(self, fn: Callable[..., None], **kwargs: Any) -> None:
+        start = time.perf_counter()
+        try:
+            fn(**kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.violations.extend(self.inner.drain_violations())
+
+    def mark_init_finished(self) -> None:
+        """Forwarded."""
+        self.inner.mark_init_finished()
+
+    def attach_prefix_cache(self, *, walker: PrefixCacheWalker) -> None:
+        """Forwarded."""
+        self.inner.attach_prefix_cache(walker=walker)
+
+    def pre_forward(self, *, view: ForwardView) -> None:
+        """Forwarded and timed."""
+        self._timed(self.inner.pre_forward, view=view)
+
+    def post_forward(self, *, view: ForwardView) -> None:
+        """Forwarded and timed."""
+        self._timed(self.inner.post_forward, view=view)
+
+    def end_step(self) -> None:
+        """Forwarded and timed."""
+        self._timed(self.inner.end_step)
+
+    def drain_violations(self) -> list[Violation]:
+        """Everything collected so far."""
+        return list(self.violations)
+
+
+def build_canary(settings: RunSettings, pool: KvPool, oracle: TokenOracle | None) -> Canary | None:
+    """Install the canary over the pool with capacities derived from the engine sizes."""
+    eng = settings.engine
+    caps = CanaryLaunchCapacities.from_args(
+        req_to_token_pool_size=eng.max_running_requests + 1,
+        max_seq_len_per_req=eng.max_context_len,
+        pool_slot_count=eng.num_slots,
+        cuda_graph_max_bs=eng.max_batch_size,
+        speculative_num_draft_tokens=eng.speculative_num_draft_tokens + 1,
+        max_prefill_tokens=eng.max_prefill_tokens,
+        # this engine's chunk size bounds one request's chunk; max_prefill_tokens bounds a step
+        chunked_prefill_size=None,
+    )
+    group = pool.buffer_group(settings.canary.real_data.value)
+    return install(settings.canary, [group], caps, oracle)
+
+
+def run_session(
+    settings: RunSettings, progress: Callable[[int, int], None] | None = None
+) -> RunSummary:
+    """Serve the workload to completion (or until raise mode stops it)."""
+    m, eng = settings.model, settings.engine
+    pool = KvPool(num_slots=eng.num_slots, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+                  head_dim=m.head_dim, dtype=m.torch_dtype)  # fmt: skip
+    table = TorchReqToTokenTable(
+        max_rows=eng.max_running_requests, max_context_len=eng.max_context_len
+    )
+    use_oracle = settings.model_kind == "oracle"
+    oracle = TokenOracle(m.vocab_size) if use_oracle else None
+    canary = build_canary(settings, pool, oracle)
+    hooks = TimedHooks(canary) if canary is not None else TimedHooks(NullHooks())
+    model = OracleModel(m) if use_oracle else TinyLlama(m)
+    runner = ModelRunner(model, pool, table, hooks, oracle=oracle)
+    engine = Engine(eng, runner, hooks, table=table)
+    hooks.mark_init_finished()  # no synthetic warm-up forwards in this engine
+    planned = build_workload(settings.workload)
+    pending = list(planned)
+    aborts: dict[int, list[str]] = {}
+    steps, stopped, aborted = 0, False, 0
+    start = time.perf_counter()
+    while pending or engine.has_work():
+        while pending and pending[0].arrival_step <= steps:
+            req = pending.pop(0)
+            sampling = (
+                SamplingSpec(oracle=True, oracle_key=request_key(req.request_id))
+                if use_oracle
+                else SamplingSpec()
+            )
+            engine.add_request(req.request_id, req.prompt, req.max_new_tokens, sampling)
+            if req.abort_after_steps is not None:
+                aborts.setdefault(steps + req.abort_after_steps, []).append(req.request_id)
+        for request_id in aborts.pop(steps, []):
+            aborted += engine.abort(request_id)
+        try:
+            engine.step()
+        except CanaryViolationError:
+            stopped = True
+            break
+        steps += 1
+        if progress is not None:
+            progress(
+                engine.stats().requests_finished + engine.stats().requests_aborted, len(planned)
+            )
+    wall = time.perf_counter() - start
+    stats = engine.stats()
+    by_reason: Counter[str] = Counter()
+    for v in hooks.violations:
+        for label in fail_reason_labels(v.fail_reason_bits):
+            by_reason[label] += 1
+    figures = {
+        "requests_finished": stats.requests_finished,
+        "requests_aborted": stats.requests_aborted,
+        "tokens_generated": stats.tokens_generated,
+        "forward_steps": canary.kernel_run_counter[0] // 2 if canary else steps,
+        "engine_steps": steps,
+        "protected_slot_checks": sum(canary.slot_run_counter.values()) if canary else 0,
+        "sweep_passes": canary.sweep_passes if canary else 0,
+        "violations": canary.total_violations if canary else 0,
+        "violations_by_reason": dict(sorted(by_reason.items())),
+        "retractions": stats.retractions,
+        "evictions": stats.evictions,
+        "radix_hit_tokens": stats.radix_hit_tokens,
+        "spec_accepted_tokens": stats.spec_accepted_tokens,
+        "wall_seconds": round(wall, 3),
+        "canary_seconds": round(hooks.seconds, 3),
+        "canary_mode": settings.canary.mode.value,
+        "seed": settings.workload.seed,
+    }
+    return RunSummary(figures, tuple(hooks.violations), stopped)

@@ -1,0 +1,174 @@
+"""`kvcanary` command line: the only place that parses flags and reads the environment."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvcanary.app.session import RunSettings, run_session
+from kvcanary.app.workload import WorkloadSpec
+from kvcanary.canary import CanaryConfig, CanaryLaunchCapacities
+from kvcanary.engine.config import EngineConfig
+from kvcanary.engine.model import ModelConfig
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="KV-cache canary: make KV corruption impossible to miss.",
+)
+err_console = Console(stderr=True)
+
+EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 3
+
+CanaryMode = Annotated[str, typer.Option("--kv-canary", help="none | log | raise (off = none)")]
+RealData = Annotated[str, typer.Option("--kv-canary-real-data", help="none | partial | all")]
+Sweep = Annotated[
+    int,
+    typer.Option("--kv-canary-sweep-interval", help="prefix-cache sweep every N steps; 0 = off"),
+]
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(message, err=True)
+    return typer.Exit(EXIT_BAD_INPUT)
+
+
+def _canary_config(kv_canary: str, real_data: str, sweep: int) -> CanaryConfig:
+    return CanaryConfig.from_args_and_env(
+        kv_canary=kv_canary,
+        kv_canary_real_data=real_data,
+        kv_canary_sweep_interval=sweep,
+        environ=os.environ,
+    )
+
+
+@app.command()
+def run(
+    kv_canary: CanaryMode = "log",
+    kv_canary_real_data: RealData = "partial",
+    kv_canary_sweep_interval: Sweep = 8,
+    model: Annotated[
+        str, typer.Option(help="tiny (a real tiny transformer) | oracle (token oracle)")
+    ] = "tiny",
+    requests: Annotated[int, typer.Option(help="requests in the workload")] = 48,
+    seed: Annotated[int, typer.Option(help="seed of the workload and the model")] = 0,
+    num_slots: Annotated[int, typer.Option(help="KV pool slots (slot 0 reserved)")] = 448,
+    max_running_requests: Annotated[int, typer.Option()] = 8,
+    max_batch_size: Annotated[int, typer.Option()] = 8,
+    chunked_prefill_size: Annotated[int, typer.Option(help="-1 = unlimited")] = 32,
+    max_prefill_tokens: Annotated[int, typer.Option(help="token budget per step")] = 96,
+    speculative_num_draft_tokens: Annotated[
+        int, typer.Option(help="draft tokens per verify; 0 = off")
+    ] = 2,
+    max_context_len: Annotated[int, typer.Option()] = 256,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16")] = "float32",
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="write the summary as JSON")
+    ] = None,
+    quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
+) -> None:
+    """Serve the embedded workload on the reference engine with the canary installed.
+
+    Exit status: 0 clean, 1 violations found (log mode), 2 bad input, 3 stopped by raise mode.
+    """
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        chunk = None if chunked_prefill_size == -1 else chunked_prefill_size
+        CanaryLaunchCapacities.from_args(  # validates the sizes with the canary's own messages
+            req_to_token_pool_size=max_running_requests, max_seq_len_per_req=max_context_len,
+            pool_slot_count=num_slots, cuda_graph_max_bs=max_batch_size,
+            speculative_num_draft_tokens=speculative_num_draft_tokens,
+            max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=chunk,
+        )  # fmt: skip
+        settings = RunSettings(
+            canary=_canary_config(kv_canary, kv_canary_real_data, kv_canary_sweep_interval),
+            engine=EngineConfig(
+                num_slots=num_slots,
+                max_context_len=max_context_len,
+                vocab_size=256,
+                max_running_requests=max_running_requests,
+                max_batch_size=max_batch_size,
+                chunked_prefill_size=chunk,
+                max_prefill_tokens=max_prefill_tokens,
+                speculative_num_draft_tokens=speculative_num_draft_tokens,
+                seed=seed,
+            ),
+            model=ModelConfig(vocab_size=256, dtype=dtype, seed=seed),
+            model_kind=model,
+            workload=WorkloadSpec(num_requests=requests, seed=seed, vocab_size=256),
+        )
+    except (ValueError, TypeError) as exc:
+        raise _fail(str(exc)) from None
+    with Progress(
+        TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err_console, disable=quiet, transient=False,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("requests", total=requests)
+        summary = run_session(
+            settings, lambda done, total: bar.update(task, completed=done, total=total)
+        )
+    table = Table(title="kvcanary run", show_header=True)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in summary.figures.items():
+        table.add_row(key, str(value))
+    Console().print(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps(summary.figures, indent=2) + "\n")
+    if summary.stopped_by_raise:
+        err_console.print(
+            "kv-canary: stopped by raise mode; replay with --seed", seed, markup=False
+        )
+        raise typer.Exit(EXIT_STOPPED)
+    if summary.figures["violations"]:
+        err_console.print(
+            f"kv-canary: {summary.figures['violations']} violations; replay with --seed {seed}",
+            markup=False,
+        )
+        raise typer.Exit(EXIT_VIOLATIONS)
+
+
+@app.command("check-config")
+def check_config(
+    kv_canary: CanaryMode = "none",
+    kv_canary_real_data: RealData = "none",
+    kv_canary_sweep_interval: Sweep = 0,
+    req_to_token_pool_size: Annotated[int, typer.Option()] = 64,
+    max_seq_len_per_req: Annotated[int, typer.Option()] = 4096,
+    pool_slot_count: Annotated[int, typer.Option()] = 10000,
+    cuda_graph_max_bs: Annotated[int | None, typer.Option()] = None,
+    speculative_num_draft_tokens: Annotated[int | None, typer.Option()] = None,
+    max_prefill_tokens: Annotated[int, typer.Option()] = 16384,
+    chunked_prefill_size: Annotated[int | None, typer.Option()] = None,
+) -> None:
+    """Validate canary flags, `KVCANARY_*` variables and capacities; print what would be used."""
+    try:
+        config = _canary_config(kv_canary, kv_canary_real_data, kv_canary_sweep_interval)
+        caps = CanaryLaunchCapacities.from_args(
+            req_to_token_pool_size=req_to_token_pool_size, max_seq_len_per_req=max_seq_len_per_req,
+            pool_slot_count=pool_slot_count, cuda_graph_max_bs=cuda_graph_max_bs,
+            speculative_num_draft_tokens=speculative_num_draft_tokens,
+            max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=chunked_prefill_size,
+        )  # fmt: skip
+    except (ValueError, TypeError) as exc:
+        raise _fail(str(exc)) from None
+    Console().print(config)
+    Console().print(caps)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="kvcanary")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
