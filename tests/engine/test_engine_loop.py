@@ -144,3 +144,22 @@ def test_config_derived_values() -> None:
     assert cfg.chunk_limit is None and cfg.max_request_tokens == 10
     cfg = EngineConfig(num_slots=100, max_context_len=32, vocab_size=5, chunked_prefill_size=8)
     assert cfg.chunk_limit == 8 and cfg.max_request_tokens == 33
+
+
+def test_runs_on_the_torch_req_to_token_table() -> None:
+    """The scheduler's Protocol writes land in the runner side's tensor table unchanged."""
+    from kvcanary.engine.req_to_token import TorchReqToTokenTable
+
+    cfg = EngineConfig(num_slots=24, max_context_len=16, vocab_size=101, max_running_requests=2)
+    table = TorchReqToTokenTable(max_rows=cfg.max_running_requests, max_context_len=16)
+    runner = OracleRunner(cfg.vocab_size, table)
+    engine = Engine(cfg, runner, table=table)
+    for i in range(3):
+        engine.add_request(f"t{i}", [i + 1, 2, 3, 4], 9)
+    while engine.has_work():
+        engine.step()
+        engine.scheduler.check_integrity()
+    assert engine.stats().retractions >= 1
+    assert not table.tensor.any()
+    for i in range(3):
+        assert engine.request(f"t{i}").output == expected_output(f"t{i}", 4, 9, 101)

@@ -118,3 +118,26 @@ def test_ngram_drafter() -> None:
     drafter = Drafter(97)
     assert drafter.propose([1, 2], 3, ORACLE) == [TokenOracle(97).token(1234, p) for p in (2, 3, 4)]
     assert drafter.propose([1, 2, 1], 2, SamplingSpec()) == [2, 1]
+
+
+def test_verify_step_never_mixes_in_an_admission() -> None:
+    # the budget fits one verify (3 tokens) but not three: the leftover must not admit "w"
+    sched, runner, _ = make_scheduler(
+        speculative_num_draft_tokens=2,
+        max_batch_size=3,
+        max_running_requests=4,
+        max_prefill_tokens=4,
+    )
+    for i in range(3):
+        sched.add_request(f"d{i}", [i + 1, 2], 12, ORACLE)
+    for _ in range(3):
+        step(sched, runner)
+    sched.add_request("w", [9, 9, 9], 2, ORACLE)
+    plans = list(run_all(sched, runner))
+    for plan in plans:
+        if plan.kind is ForwardKind.VERIFY:
+            assert all(c.num_samples == len(c.input_ids) for c in plan.chunks)
+            assert all(c.request_id != "w" or c.prefix_len == 3 for c in plan.chunks)
+    for i in range(3):
+        assert len(sched.get(f"d{i}").output) == 12
+    assert len(sched.get("w").output) == 2

@@ -16,6 +16,7 @@ One step, in order (rows capped by `max_batch_size`, tokens by `max_prefill_toke
 When slots run out, unlocked radix leaves are evicted first; then the most recently admitted
 running request is retracted (its computed prefix goes to the radix cache and it returns to the
 front of the waiting queue). Admission never retracts, and a step that retracted admits nobody.
+A VERIFY step (k > 0, nothing to prefill, nobody admissible) holds verify chunks only.
 """
 
 from __future__ import annotations
@@ -208,16 +209,18 @@ class Scheduler:
         for req in prefilling:
             if req.status is RequestStatus.RUNNING and self._budget > 0:
                 self._schedule_prefill(req)
-        if self._counters.retractions == retractions:
-            self._admit()
+        if not speculate and self._counters.retractions == retractions:
+            self._admit()  # a VERIFY forward holds verify chunks only
         chunks = tuple(self._pending.values())
         self._pending = {}
         if not chunks:
             return None
-        if any(c.request_id not in decode_ids for c in chunks):
+        if speculate:
+            kind = ForwardKind.VERIFY
+        elif any(c.request_id not in decode_ids for c in chunks):
             kind = ForwardKind.EXTEND
         else:
-            kind = ForwardKind.VERIFY if speculate else ForwardKind.DECODE
+            kind = ForwardKind.DECODE
         return StepPlan(kind, chunks)
 
     def postprocess(self, plan: StepPlan, output: StepOutput) -> list[Request]:
