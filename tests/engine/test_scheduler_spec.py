@@ -38,7 +38,8 @@ def test_rejected_drafts_release_slots_and_never_become_history() -> None:
     sched, runner, _ = make_scheduler(speculative_num_draft_tokens=4)
     sched.add_request("r", [1, 2, 1, 2, 1, 2], 12)  # n-gram drafts, oracle target: rejections
     # run_all checks after every step that exactly the computed positions hold slots
-    assert any(p.kind is ForwardKind.VERIFY for p in run_all(sched, runner))
+    plans = list(run_all(sched, runner))
+    assert any(p.kind is ForwardKind.VERIFY for p in plans)
     stats = sched.stats()
     assert stats.spec_draft_tokens > stats.spec_accepted_tokens
     assert sched.get("r").output == expected_output("r", 6, 12, 97)
