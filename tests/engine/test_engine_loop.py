@@ -31,6 +31,9 @@ class RecordingHooks:
     def post_forward(self, *, view: object) -> None:
         pass
 
+    def maybe_swap_next_tokens(self, *, tokens: list[int]) -> list[int]:
+        return tokens
+
     def end_step(self) -> None:
         self.end_steps += 1
 

@@ -47,6 +47,9 @@ class RecordingHooks:
     def post_forward(self, *, view: ForwardView) -> None:
         self.log.append(("post_forward", view))
 
+    def maybe_swap_next_tokens(self, *, tokens: list[int]) -> list[int]:
+        return tokens
+
     def end_step(self) -> None:
         self.log.append(("end_step", None))
 

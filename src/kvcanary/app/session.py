@@ -14,6 +14,7 @@ from kvcanary.canary import (
     CanaryConfig,
     CanaryLaunchCapacities,
     CanaryViolationError,
+    PerturbHooks,
     install,
 )
 from kvcanary.contract import (
@@ -35,7 +36,7 @@ from kvcanary.engine.plan import SamplingSpec
 from kvcanary.engine.req_to_token import TorchReqToTokenTable
 from kvcanary.engine.runner import ModelRunner
 
-__all__ = ["RunSettings", "RunSummary", "TimedHooks", "run_session"]
+__all__ = ["RunSettings", "RunSummary", "Stack", "TimedHooks", "build_stack", "run_session"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,12 +99,23 @@ class TimedHooks:
         """Forwarded and timed."""
         self._timed(self.inner.end_step)
 
+    def maybe_swap_next_tokens(self, *, tokens: list[int]) -> list[int]:
+        """Forwarded."""
+        return self.inner.maybe_swap_next_tokens(tokens=tokens)
+
     def drain_violations(self) -> list[Violation]:
         """Everything collected so far."""
         return list(self.violations)
 
 
-def build_canary(settings: RunSettings, pool: KvPool, oracle: TokenOracle | None) -> Canary | None:
+def build_canary(
+    settings: RunSettings,
+    pool: KvPool,
+    oracle: TokenOracle | None,
+    *,
+    perturb: PerturbHooks | None = None,
+    kernels: str = "fast",
+) -> Canary | None:
     """Install the canary over the pool with capacities derived from the engine sizes."""
     eng = settings.engine
     caps = CanaryLaunchCapacities.from_args(
@@ -117,13 +129,32 @@ def build_canary(settings: RunSettings, pool: KvPool, oracle: TokenOracle | None
         chunked_prefill_size=None,
     )
     group = pool.buffer_group(settings.canary.real_data.value)
-    return install(settings.canary, [group], caps, oracle)
+    return install(settings.canary, [group], caps, oracle, kernels=kernels, perturb=perturb)
 
 
-def run_session(
-    settings: RunSettings, progress: Callable[[int, int], None] | None = None
-) -> RunSummary:
-    """Serve the workload to completion (or until raise mode stops it)."""
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """An engine with the canary installed over its pool, wired and ready to serve."""
+
+    engine: Engine
+    canary: Canary | None
+    hooks: TimedHooks
+    pool: KvPool
+    table: TorchReqToTokenTable
+    runner: ModelRunner
+    oracle: TokenOracle | None
+
+    def sampling(self, request_id: str) -> SamplingSpec:
+        """The sampling spec for a request: the oracle with the oracle model, greedy otherwise."""
+        if self.oracle is None:
+            return SamplingSpec()
+        return SamplingSpec(oracle=True, oracle_key=request_key(request_id))
+
+
+def build_stack(
+    settings: RunSettings, *, perturb: PerturbHooks | None = None, kernels: str = "fast"
+) -> Stack:
+    """Pool, table, canary (None in mode `none`), model, runner and engine, wired together."""
     m, eng = settings.model, settings.engine
     pool = KvPool(num_slots=eng.num_slots, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                   head_dim=m.head_dim, dtype=m.torch_dtype)  # fmt: skip
@@ -132,12 +163,24 @@ def run_session(
     )
     use_oracle = settings.model_kind == "oracle"
     oracle = TokenOracle(m.vocab_size) if use_oracle else None
-    canary = build_canary(settings, pool, oracle)
-    hooks = TimedHooks(canary) if canary is not None else TimedHooks(NullHooks())
+    canary = build_canary(settings, pool, oracle, perturb=perturb, kernels=kernels)
+    hooks = TimedHooks(canary if canary is not None else NullHooks())
     model = OracleModel(m) if use_oracle else TinyLlama(m)
     runner = ModelRunner(model, pool, table, hooks, oracle=oracle)
     engine = Engine(eng, runner, hooks, table=table)
-    hooks.mark_init_finished()  # no synthetic warm-up forwards in this engine
+    hooks.mark_init_finished()  # this engine runs no synthetic warm-up forwards
+    return Stack(engine, canary, hooks, pool, table, runner, oracle)
+
+
+def run_session(
+    settings: RunSettings,
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    stack: Stack | None = None,
+) -> RunSummary:
+    """Serve the workload to completion (or until raise mode stops it)."""
+    stack = stack or build_stack(settings)
+    engine, canary, hooks = stack.engine, stack.canary, stack.hooks
     planned = build_workload(settings.workload)
     pending = list(planned)
     aborts: dict[int, list[str]] = {}
@@ -146,12 +189,9 @@ def run_session(
     while pending or engine.has_work():
         while pending and pending[0].arrival_step <= steps:
             req = pending.pop(0)
-            sampling = (
-                SamplingSpec(oracle=True, oracle_key=request_key(req.request_id))
-                if use_oracle
-                else SamplingSpec()
+            engine.add_request(
+                req.request_id, req.prompt, req.max_new_tokens, stack.sampling(req.request_id)
             )
-            engine.add_request(req.request_id, req.prompt, req.max_new_tokens, sampling)
             if req.abort_after_steps is not None:
                 aborts.setdefault(steps + req.abort_after_steps, []).append(req.request_id)
         for request_id in aborts.pop(steps, []):

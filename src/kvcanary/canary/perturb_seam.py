@@ -40,6 +40,10 @@ class PerturbHooks(Protocol):
         """In `end_step`, before the sweep."""
         ...
 
+    def maybe_swap_next_tokens(self, *, tokens: list[int], step: int) -> list[int]:
+        """At sampler exit; returns the tokens to publish."""
+        ...
+
     def injections(self) -> list[PerturbRecord]:
         """The journal, in injection order."""
         ...

@@ -152,6 +152,12 @@ class Canary:
         finally:
             self.step += 1
 
+    def maybe_swap_next_tokens(self, *, tokens: list[int]) -> list[int]:
+        """Sampler exit: the perturber may swap two rows' tokens (SPEC §11.2 next_token_swap)."""
+        if self._perturb is None:
+            return tokens
+        return self._perturb.maybe_swap_next_tokens(tokens=tokens, step=self.step)
+
     def drain_violations(self) -> list[Violation]:
         """Violations reported since the previous drain, in ring order (every mode)."""
         return self.ring.drain()

@@ -48,6 +48,11 @@ class CanaryHooks(Protocol):
         reflects this iteration's inserts and evictions."""
         ...
 
+    def maybe_swap_next_tokens(self, *, tokens: list[int]) -> list[int]:
+        """At sampler exit of a non-verify forward: the next token of each sampling row, in
+        batch order. Returns the tokens to publish (fault injection may swap two)."""
+        ...
+
     def drain_violations(self) -> list[Violation]:
         """Violations reported since the previous drain, in ring order."""
         ...
@@ -71,6 +76,10 @@ class NullHooks:
 
     def end_step(self) -> None:
         """No-op."""
+
+    def maybe_swap_next_tokens(self, *, tokens: list[int]) -> list[int]:
+        """Returns `tokens` unchanged."""
+        return tokens
 
     def drain_violations(self) -> list[Violation]:
         """Always empty."""

@@ -181,7 +181,18 @@ class ModelRunner:
             sampled = self._sampler.sample(chunk_logits, chunk.sampling, range(last - k, last))
             outputs.append(ChunkOutput(request_id=chunk.request_id, sampled=sampled))
             cursor += k
+        if plan.kind is not ForwardKind.VERIFY:
+            outputs = self._sampler_exit(outputs)
         return StepOutput(chunks=tuple(outputs))
+
+    def _sampler_exit(self, outputs: list[ChunkOutput]) -> list[ChunkOutput]:
+        """Offer the one-token rows to `hooks.maybe_swap_next_tokens` (fault injection)."""
+        rows = [i for i, out in enumerate(outputs) if len(out.sampled) == 1]
+        tokens = [outputs[i].sampled[0] for i in rows]
+        swapped = self._hooks.maybe_swap_next_tokens(tokens=tokens)
+        for i, token in zip(rows, swapped, strict=True):
+            outputs[i] = ChunkOutput(request_id=outputs[i].request_id, sampled=(token,))
+        return outputs
 
 
 def _logit_index(plan: StepPlan) -> torch.Tensor:
