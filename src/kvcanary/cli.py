@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvcanary.app.observability import EventLog, RunMetrics, StepObserver
 from kvcanary.app.session import RunSettings, run_session
 from kvcanary.app.workload import WorkloadSpec
 from kvcanary.canary import CanaryConfig, CanaryLaunchCapacities
@@ -74,6 +75,12 @@ def run(
     json_path: Annotated[
         Path | None, typer.Option("--json", help="write the summary as JSON")
     ] = None,
+    events: Annotated[
+        Path | None, typer.Option(help="write every violation and step summary as JSON lines")
+    ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="serve Prometheus counters on this port")
+    ] = None,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
     """Serve the embedded workload on the reference engine with the canary installed.
@@ -108,14 +115,20 @@ def run(
         )
     except (ValueError, TypeError) as exc:
         raise _fail(str(exc)) from None
+    observer = StepObserver(
+        EventLog(events) if events else None, RunMetrics(metrics_port) if metrics_port else None
+    )
     with Progress(
         TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=err_console, disable=quiet, transient=False,
     ) as bar:  # fmt: skip
         task = bar.add_task("requests", total=requests)
         summary = run_session(
-            settings, lambda done, total: bar.update(task, completed=done, total=total)
+            settings,
+            lambda done, total: bar.update(task, completed=done, total=total),
+            observer=observer,
         )
+    observer.close()
     table = Table(title="kvcanary run", show_header=True)
     table.add_column("figure")
     table.add_column("value", justify="right")

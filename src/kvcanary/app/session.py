@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvcanary.app.observability import StepObserver
 from kvcanary.app.workload import WorkloadSpec, build_workload
 from kvcanary.canary import (
     Canary,
@@ -177,6 +178,7 @@ def run_session(
     progress: Callable[[int, int], None] | None = None,
     *,
     stack: Stack | None = None,
+    observer: StepObserver | None = None,
 ) -> RunSummary:
     """Serve the workload to completion (or until raise mode stops it)."""
     stack = stack or build_stack(settings)
@@ -184,7 +186,7 @@ def run_session(
     planned = build_workload(settings.workload)
     pending = list(planned)
     aborts: dict[int, list[str]] = {}
-    steps, stopped, aborted = 0, False, 0
+    steps, stopped, aborted, reported = 0, False, 0, 0
     start = time.perf_counter()
     while pending or engine.has_work():
         while pending and pending[0].arrival_step <= steps:
@@ -199,9 +201,20 @@ def run_session(
         try:
             engine.step()
         except CanaryViolationError:
-            stopped = True
-            break
+            stopped = True  # fail closed: that step's tokens were never applied
         steps += 1
+        if observer is not None:
+            new = hooks.violations[reported:]
+            reported = len(hooks.violations)
+            observer.on_step(
+                step=steps - 1,
+                stats=asdict(engine.stats()),
+                protected=sum(canary.slot_run_counter.values()) if canary else 0,
+                sweeps=canary.sweep_passes if canary else 0,
+                violations=new,
+            )
+        if stopped:
+            break
         if progress is not None:
             progress(
                 engine.stats().requests_finished + engine.stats().requests_aborted, len(planned)
