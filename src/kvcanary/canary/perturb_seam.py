@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from kvcanary.canary.buffers import GroupBuffers
 from kvcanary.contract.view import ForwardView
+from kvcanary.contract.walker import PrefixCacheWalker
 
-__all__ = ["PerturbHooks", "PerturbRecord"]
+__all__ = ["BindsCanary", "CanaryState", "PerturbHooks", "PerturbRecord"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,4 +48,38 @@ class PerturbHooks(Protocol):
 
     def injections(self) -> list[PerturbRecord]:
         """The journal, in injection order."""
+        ...
+
+
+class CanaryState(Protocol):
+    """The read side of a Canary a perturber needs: step, groups (with their buffers, sources and
+    SWA table), the attached prefix-cache walker and whether the chain-position assert is on."""
+
+    @property
+    def step(self) -> int:
+        """The current engine step."""
+        ...
+
+    @property
+    def groups(self) -> tuple[GroupBuffers, ...]:
+        """Installed groups, FULL first."""
+        ...
+
+    @property
+    def walker(self) -> PrefixCacheWalker | None:
+        """The attached prefix-cache walker, if any."""
+        ...
+
+    @property
+    def chain_position_assert_enabled(self) -> bool:
+        """True after `mark_init_finished()`."""
+        ...
+
+
+@runtime_checkable
+class BindsCanary(Protocol):
+    """A perturber that needs the canary it is installed into; `install` calls `bind` once."""
+
+    def bind(self, canary: CanaryState) -> None:
+        """Remember `canary` (called by `install` right after the Canary is built)."""
         ...

@@ -172,6 +172,11 @@ class Canary:
         return self._last_sweep_step is None or self.step - self._last_sweep_step >= interval
 
     @property
+    def walker(self) -> PrefixCacheWalker | None:
+        """The prefix-cache walker attached with `attach_prefix_cache`, if any."""
+        return self._walker
+
+    @property
     def total_violations(self) -> int:
         """The ring's write index: every violation recorded, dropped rows included."""
         return self.ring.write_index
