@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcanary.engine.plants import validate_plants
+
 __all__ = ["EngineConfig"]
 
 
@@ -23,7 +25,11 @@ class EngineConfig:
             decodes that do not fit wait for a later step.
         speculative_num_draft_tokens: drafts per speculative verify (k); 0 turns it off.
         enable_prefix_cache: share KV of common prefixes through the radix cache.
-        seed: seeds the slot allocator's initial free order.
+        seed: seeds the slot allocator's initial free order and the planted bugs' choices.
+        plants: planted bugs to switch on (names from `engine.plants.PLANT_NAMES`); empty for
+            a correct engine.
+        plant_warmup_steps: engine steps before any plant may fire, so clean history exists.
+        plant_max_fires: how many times each plant fires at most.
     """
 
     num_slots: int
@@ -36,6 +42,9 @@ class EngineConfig:
     speculative_num_draft_tokens: int = 0
     enable_prefix_cache: bool = True
     seed: int = 0
+    plants: tuple[str, ...] = ()
+    plant_warmup_steps: int = 10
+    plant_max_fires: int = 1
 
     def __post_init__(self) -> None:
         _at_least("num_slots", self.num_slots, 2, "slot 0 is reserved; give the pool more slots")
@@ -49,6 +58,14 @@ class EngineConfig:
             0,
             "use 0 to turn speculation off",
         )
+        if isinstance(self.plants, str):
+            raise ValueError(
+                f"EngineConfig.plants must be a tuple of plant names, got {self.plants!r}; "
+                f"write ({self.plants!r},)"
+            )
+        validate_plants(self.plants)
+        _at_least("plant_warmup_steps", self.plant_warmup_steps, 0, "use 0 to arm at once")
+        _at_least("plant_max_fires", self.plant_max_fires, 1, "drop the plant to turn it off")
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk != -1 and chunk < 1:
             raise ValueError(
@@ -63,6 +80,14 @@ class EngineConfig:
     @property
     def chunk_limit(self) -> int | None:
         """`chunked_prefill_size` normalised: None when unlimited."""
+        if isinstance(self.plants, str):
+            raise ValueError(
+                f"EngineConfig.plants must be a tuple of plant names, got {self.plants!r}; "
+                f"write ({self.plants!r},)"
+            )
+        validate_plants(self.plants)
+        _at_least("plant_warmup_steps", self.plant_warmup_steps, 0, "use 0 to arm at once")
+        _at_least("plant_max_fires", self.plant_max_fires, 1, "drop the plant to turn it off")
         chunk = self.chunked_prefill_size
         return None if chunk is None or chunk == -1 else chunk
 

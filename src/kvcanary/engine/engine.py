@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kvcanary.contract import CanaryHooks, NullHooks
 from kvcanary.engine.config import EngineConfig
 from kvcanary.engine.plan import Runner, SamplingSpec, StepOutput, StepPlan
+from kvcanary.engine.plants import PlantRecord
 from kvcanary.engine.request import Request
 from kvcanary.engine.scheduler import Scheduler
 from kvcanary.engine.stats import SchedulerStats
@@ -102,6 +103,10 @@ class Engine:
     def stats(self) -> SchedulerStats:
         """A frozen snapshot of the scheduler counters."""
         return self._scheduler.stats()
+
+    def plant_journal(self) -> list[PlantRecord]:
+        """What the planted bugs of `config.plants` did, in order (empty without plants)."""
+        return list(self._scheduler.plants.journal)
 
     def step(self) -> StepResult:
         """Run one iteration. If the runner raises, the plan's slots are released, no token is

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvcanary.contract import walk_node_slots
+from kvcanary.engine.plants import PlantSet
 from kvcanary.engine.slot_allocator import SlotAllocator
 
 __all__ = ["RadixCache", "RadixHandle"]
@@ -61,11 +62,13 @@ class RadixCache:
     Satisfies `kvcanary.contract.PrefixCacheWalker` through `walk`.
     """
 
-    __slots__ = ("_allocator", "_cached", "_clock", "_ids", "_protected", "_root")
+    __slots__ = ("_allocator", "_cached", "_clock", "_ids", "_plants", "_protected", "_root")
 
-    def __init__(self, allocator: SlotAllocator) -> None:
-        """An empty cache returning evicted slots to `allocator`."""
+    def __init__(self, allocator: SlotAllocator, plants: PlantSet | None = None) -> None:
+        """An empty cache returning evicted slots to `allocator`; `plants` (tests and self-test
+        campaigns only) may switch planted eviction bugs on."""
         self._allocator = allocator
+        self._plants = plants if plants is not None else PlantSet()
         self._ids = itertools.count()
         self._root = _Node([], [], None, next(self._ids))
         self._root.lock_ref = 1  # the root is never evicted
@@ -158,14 +161,21 @@ class RadixCache:
     def evict(self, num_slots: int) -> int:
         """Evict least-recently-used unlocked leaves until `num_slots` slots were freed or none
         is left; returns the number of slots freed. The last leaf may lose only its tail."""
+        freed = 0
+        if num_slots > 0 and self._plants.armed("radix_evict_locked"):
+            freed += self._plant_evict_locked()
         heap = [(n.last_access, n.node_id, n) for n in self._nodes() if _evictable_leaf(n)]
         heapq.heapify(heap)
-        freed = 0
         while freed < num_slots and heap:
             _, _, leaf = heapq.heappop(heap)
             need = num_slots - freed
             if len(leaf.key) > need:  # evict only the tail; the prefix stays cached
                 self._split(leaf, len(leaf.key) - need)
+            if self._plants.enabled("prefix_reused_slots"):
+                done = self._plant_evict_keep_linked(leaf)
+                if done is not None:
+                    freed += done
+                    continue
             parent = leaf.parent
             assert parent is not None
             del parent.children[leaf.key[0]]
@@ -218,12 +228,69 @@ class RadixCache:
         parent = child.parent
         assert parent is not None and 0 < n < len(child.key)
         upper = _Node(child.key[:n], child.slots[:n], parent, next(self._ids))
+        if child.node_id in self._plants.ghost_nodes:
+            self._plants.ghost_nodes.add(upper.node_id)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         parent.children[upper.key[0]] = upper
         child.key, child.slots, child.parent = child.key[n:], child.slots[n:], upper
         upper.children[child.key[0]] = child
         return upper
+
+    # ---- planted bugs (engine/plants.py); reached only when a plant is configured -----------
+
+    def _plant_evict_locked(self) -> int:
+        """`radix_evict_locked`: evict a locked leaf as if its lock were 0, and free its slots
+        although running requests still read them. Returns the slots freed (0 when no locked
+        leaf exists; then nothing fires)."""
+        plants = self._plants
+        locked = sorted(
+            (n for n in self._nodes() if not n.children and n.lock_ref > 0),
+            key=lambda n: n.node_id,
+        )
+        if not locked:
+            return 0
+        leaf = plants.rng("radix_evict_locked").choice(locked)
+        depth = _depth(leaf)
+        positions = list(range(depth, depth + len(leaf.slots)))
+        row = plants.find_row(leaf.slots[0], depth)
+        plants.record(
+            "radix_evict_locked",
+            slots=leaf.slots,
+            row=row,
+            positions=positions,
+            description=f"evicted radix node {leaf.node_id} with lock_ref={leaf.lock_ref} and "
+            f"freed its {len(leaf.slots)} slots (depth {depth}) while row {row} still maps them",
+        )
+        parent = leaf.parent
+        assert parent is not None
+        del parent.children[leaf.key[0]]
+        self._cached -= len(leaf.key)
+        return plants.force_free(leaf.slots)
+
+    def _plant_evict_keep_linked(self, leaf: _Node) -> int | None:
+        """`prefix_reused_slots`: free `leaf`'s slots but leave it linked, like a host-backed
+        node whose device slots were evicted, so a later match (and every sweep) returns freed,
+        reused slots. Returns the slots freed, or None when the normal eviction should run (the
+        plant is not armed). A node left linked earlier is skipped (its slots are gone)."""
+        plants = self._plants
+        if leaf.node_id in plants.ghost_nodes:
+            return 0
+        if not plants.armed("prefix_reused_slots"):
+            return None
+        depth = _depth(leaf)
+        positions = list(range(depth, depth + len(leaf.slots)))
+        plants.record(
+            "prefix_reused_slots",
+            slots=leaf.slots,
+            row=0,
+            positions=positions,
+            description=f"freed the {len(leaf.slots)} slots of radix leaf {leaf.node_id} (depth "
+            f"{depth}) but left it linked: matches and sweeps still return them",
+        )
+        plants.ghost_nodes.add(leaf.node_id)
+        plants.ghost_slots.update(zip(leaf.slots, positions, strict=True))
+        return self._allocator.decref(leaf.slots)
 
     def _nodes(self) -> Iterator[_Node]:
         """Every non-root node, depth-first."""
@@ -241,6 +308,15 @@ def _common_len(key: Sequence[int], tokens: Sequence[int], start: int) -> int:
     while i < n and key[i] == tokens[start + i]:
         i += 1
     return i
+
+
+def _depth(node: _Node) -> int:
+    """Position of the node's first token: the key lengths of its ancestors, summed."""
+    depth, parent = 0, node.parent
+    while parent is not None:
+        depth += len(parent.key)
+        parent = parent.parent
+    return depth
 
 
 def _evictable_leaf(node: _Node) -> bool:

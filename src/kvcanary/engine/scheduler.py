@@ -28,6 +28,7 @@ from kvcanary.engine.config import EngineConfig
 from kvcanary.engine.drafter import Drafter, count_accepted
 from kvcanary.engine.kv_manager import KvManager
 from kvcanary.engine.plan import ForwardKind, SamplingSpec, ScheduledChunk, StepOutput, StepPlan
+from kvcanary.engine.plants import PlantSet
 from kvcanary.engine.radix_cache import RadixCache
 from kvcanary.engine.request import Request, RequestStatus
 from kvcanary.engine.stats import SchedulerCounters, SchedulerStats
@@ -47,6 +48,7 @@ class Scheduler:
         "_drafter",
         "_kv",
         "_pending",
+        "_plants",
         "_requests",
         "_running",
         "_step",
@@ -57,12 +59,19 @@ class Scheduler:
         """A scheduler for `config`; `table` has `max_running_requests + 1` rows of
         `max_context_len` positions, zero-initialised."""
         self._config = config
+        self._plants = PlantSet(
+            config.plants,
+            seed=config.seed,
+            warmup_steps=config.plant_warmup_steps,
+            max_fires=config.plant_max_fires,
+        )
         self._kv = KvManager(
             num_slots=config.num_slots,
             num_rows=config.max_running_requests + 1,
             table=table,
             enable_prefix_cache=config.enable_prefix_cache,
             seed=config.seed,
+            plants=self._plants,
         )
         self._drafter = Drafter(config.vocab_size)
         self._counters = SchedulerCounters()
@@ -90,6 +99,11 @@ class Scheduler:
     def prefix_cache(self) -> RadixCache:
         """The radix cache; it is the `PrefixCacheWalker` the canary sweeps."""
         return self._kv.prefix_cache
+
+    @property
+    def plants(self) -> PlantSet:
+        """The planted bugs of `config.plants` and their journal (empty for a correct engine)."""
+        return self._plants
 
     @property
     def running(self) -> tuple[Request, ...]:
@@ -188,6 +202,7 @@ class Scheduler:
         """Build the next forward, or None when nothing can be scheduled."""
         cfg = self._config
         self._step += 1
+        self._plants.step = self._step - 1  # 0-based, like the canary's step counter
         self._pending = {}
         self._budget = cfg.max_prefill_tokens
         retractions = self._counters.retractions
@@ -268,9 +283,16 @@ class Scheduler:
             )
         if self._budget < k + 1:
             return
-        slots = self._alloc_or_retract(req, k + 1)
+        reuse: list[int] = []
+        if (
+            self._plants.enabled("spec_rollback_stale")
+            and req.request_id in self._plants.stale_drafts
+        ):
+            reuse = self._kv.plant_take_stale_drafts(req, k + 1)
+        slots = self._alloc_or_retract(req, k + 1 - len(reuse))
         if slots is None:
             return
+        slots = [*reuse, *slots]
         tokens = req.tokens
         drafts = self._drafter.propose(tokens, k, req.sampling) if speculate else []
         inputs = (tokens[-1], *drafts)
@@ -283,6 +305,8 @@ class Scheduler:
             start = req.num_computed
             final = start + n == req.seq_len
             self._add_chunk(req, tuple(req.tokens[start : start + n]), slots, int(final))
+            if start > 0 and self._plants.armed("chunk_boundary_off_by_one"):
+                self._kv.plant_shift_chunk(req, start, slots, self._config.max_context_len)
 
     def _admit(self) -> None:
         cfg = self._config
@@ -329,7 +353,8 @@ class Scheduler:
             if slots is not None:
                 return slots
             victim = max(self._running, key=lambda r: r.admit_seq)
-            self._retract(victim)
+            planted = victim is not req and self._plants.armed("retract_stale_row")
+            self._retract(victim, planted=planted)
             if victim is req:
                 return None
 
@@ -368,7 +393,10 @@ class Scheduler:
         else:
             req.num_computed += len(chunk.input_ids)
             new = list(sampled[-1:])
-        self._kv.drop_uncomputed(req)
+        if verify and accepted < len(drafts) and self._plants.armed("spec_rollback_stale"):
+            self._kv.plant_free_rejected_drafts(req)
+        else:
+            self._kv.drop_uncomputed(req)
         new = new[: req.remaining_new_tokens]
         req.output.extend(new)
         self._counters.tokens_generated += len(new)
@@ -379,11 +407,12 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         self._counters.requests_finished += 1
 
-    def _retract(self, req: Request) -> None:
+    def _retract(self, req: Request, *, planted: bool = False) -> None:
         dropped = self._pending.pop(req.request_id, None)
         if dropped is not None:
             self._budget += len(dropped.input_ids)
-        self._kv.release(req, cache=True)
+        if not (planted and self._kv.plant_retract_stale(req)):
+            self._kv.release(req, cache=True)
         self._running.remove(req)
         req.status = RequestStatus.WAITING
         self._waiting.appendleft(req)

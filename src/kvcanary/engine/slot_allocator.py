@@ -7,6 +7,10 @@ list when its last reference is dropped.
 
 Reuse order is FIFO over the free list, so it is deterministic; an optional `seed` shuffles the
 initial free order (still deterministic for a given seed).
+
+`tolerate_unheld` is set only by a fired planted bug (`engine/plants.py`): it makes `incref`,
+`decref` and `free` ignore slots that are not held instead of raising, so a deliberately broken
+engine keeps serving for the canary to report on.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ __all__ = ["SlotAllocator"]
 class SlotAllocator:
     """Reference-counted allocator over slots `1 .. num_slots - 1`."""
 
-    __slots__ = ("_free", "_num_held", "_refs")
+    __slots__ = ("_free", "_num_held", "_refs", "tolerate_unheld")
 
     def __init__(self, num_slots: int, *, seed: int | None = None) -> None:
         """`num_slots` counts slot 0; `seed` (optional) shuffles the initial free order."""
@@ -35,6 +39,7 @@ class SlotAllocator:
         self._refs = [0] * num_slots
         self._free: deque[int] = deque(order)
         self._num_held = 0
+        self.tolerate_unheld = False
 
     @property
     def num_slots(self) -> int:
@@ -70,14 +75,15 @@ class SlotAllocator:
     def incref(self, slots: Iterable[int]) -> None:
         """Add one reference to each (held) slot."""
         for slot in slots:
-            self._check_held(slot, "incref")
-            self._refs[slot] += 1
+            if self._check_held(slot, "incref"):
+                self._refs[slot] += 1
 
     def decref(self, slots: Iterable[int]) -> int:
         """Drop one reference from each (held) slot; returns how many slots became free."""
         freed = 0
         for slot in slots:
-            self._check_held(slot, "decref")
+            if not self._check_held(slot, "decref"):
+                continue
             self._refs[slot] -= 1
             if self._refs[slot] == 0:
                 self._free.append(slot)
@@ -89,8 +95,7 @@ class SlotAllocator:
         """Release slots held exactly once (private slots); a shared slot raises."""
         slots = list(slots)
         for slot in slots:
-            self._check_held(slot, "free")
-            if self._refs[slot] != 1:
+            if self._check_held(slot, "free") and self._refs[slot] != 1:
                 raise ValueError(
                     f"SlotAllocator.free: slot {slot} is shared ({self._refs[slot]} refs)"
                 )
@@ -110,8 +115,13 @@ class SlotAllocator:
             f"free {len(free)} + held {len(held)} != total {len(self._refs) - 1}"
         )
 
-    def _check_held(self, slot: int, op: str) -> None:
+    def _check_held(self, slot: int, op: str) -> bool:
+        """True when `slot` is held; an unheld slot raises, or returns False under
+        `tolerate_unheld`."""
         if not 0 < slot < len(self._refs):
             raise ValueError(f"SlotAllocator.{op}: slot {slot} is outside [1, {len(self._refs)})")
         if self._refs[slot] == 0:
+            if self.tolerate_unheld:
+                return False
             raise ValueError(f"SlotAllocator.{op}: slot {slot} is not held")
+        return True
