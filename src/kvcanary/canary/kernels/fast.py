@@ -5,18 +5,71 @@ views of the record buffers; the ring is the `[capacity, 8]` u64 view of the int
 (numba loses writes through `.view` inside parallel functions, so callers pass the view).
 Verify and write are parallel across entries and requests respectively; ring rows are recorded
 afterwards by a serial pass in plan order, so the ring is deterministic.
+
+Performance (bench/kernels.py): verify prefetches record rows ahead (random slot orders are
+otherwise DRAM-latency bound) and, without real-KV sources, checks four entries per step with
+branch-free code so their mix3 chains overlap; write interleaves up to four requests' chains per
+task for the same reason (each chain is a serial mix3 dependency).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, uint64
+from llvmlite import ir
+from numba import njit, prange, types, uint64
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 _C1 = uint64(0xBF58476D1CE4E5B9)
 _C2 = uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = uint64(30), uint64(27), uint64(31)
 HEAD_HASH_U64 = uint64(0xDE7FAE23A9A1B716)
 _CHAIN_POSITION_FLAG = 64  # internal: the chain-position row of SPEC §5.2 (reported as bit 16)
+_PREFETCH_AHEAD = 16  # entries: random rows are requested this far ahead of their use
+_LANES = 4  # independent request chains interleaved per write task (hides mix3 latency)
+
+
+def _make_prefetch(rw: int):  # type: ignore[no-untyped-def]
+    """An intrinsic `(words, row)` that prefetches the first and last word of `words[row]`.
+
+    A hint only: it never faults (any `row`, -1 included, is fine) and changes no result. Rows are
+    32 bytes and need not be 32-byte aligned, so both ends are requested.
+    """
+
+    @intrinsic
+    def prefetch_row(typingctx, words, row):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            row = context.cast(builder, args[1], signature.args[1], types.intp)
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            for col in (0, 3):
+                ptr = cgutils.get_item_pointer(
+                    context, builder, aryty, ary, [row, context.get_constant(types.intp, col)],
+                    wraparound=False, boundscheck=False,
+                )  # fmt: skip
+                builder.call(fn, [builder.bitcast(ptr, i8p), i32(rw), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(words, row), codegen
+
+    return prefetch_row
+
+
+try:  # numba's intrinsic form: a cacheable call (numba.get_num_threads is not, in njit code)
+    from numba.np.ufunc.parallel import _iget_num_threads as _num_threads
+except ImportError:  # pragma: no cover - other numba versions
+
+    @njit(cache=True)
+    def _num_threads():  # type: ignore[no-untyped-def]
+        return 8
+
+
+_prefetch_read = _make_prefetch(0)
+_prefetch_write = _make_prefetch(1)
 
 
 @njit(cache=True, inline="always")
@@ -200,21 +253,117 @@ def _verify_one(buf, slot, prev, exp_pos, exp_tok, s0, s1, s2, s3, params, count
     return bits, exp_chain
 
 
+@njit(cache=True, inline="always")
+def _prefetch_entry(buf, slots, j, n):  # type: ignore[no-untyped-def]
+    """Prefetch row `slots[j]` unless it follows `slots[j - 1]` (the hardware streams those).
+
+    A verify entry's `prev` is the previous entry's slot along a chain, so it is not prefetched.
+    """
+    if j < n:
+        s = slots[j]
+        if s - slots[j - 1] != 1:
+            _prefetch_read(buf, s)
+
+
+@njit(cache=True, inline="always")
+def _entry_ok(buf, slot, prev, exp_pos, exp_tok, fold):  # type: ignore[no-untyped-def]
+    """True when verify entry (slot != 0) has no violation bit; see `_verify_one`."""
+    chain = buf[slot, 2]
+    if prev == 0:
+        chain_ok = True
+    elif prev == -1:
+        chain_ok = chain == HEAD_HASH_U64
+    else:
+        chain_ok = chain == mix3(buf[prev, 2], buf[prev, 0], buf[prev, 1])
+    return (
+        chain_ok
+        & (buf[slot, 1] == uint64(exp_pos))
+        & (buf[slot, 3] == fold)
+        & ((exp_tok == -1) | (buf[slot, 0] == uint64(exp_tok)))
+    )
+
+
+@njit(cache=True, inline="always")
+def _chain_input(buf, slot, prev):  # type: ignore[no-untyped-def]
+    """The row whose hash an entry's chain is checked against: `prev`, or (when prev is 0 or -1
+    and the hash is unused) the entry's own row, so that loads and mix3 need no branch."""
+    return slot if (prev == 0) | (prev == -1) else prev
+
+
+@njit(cache=True, inline="always")
+def _plain_bad(buf, slot, prev, exp_pos, exp_tok, hashed):  # type: ignore[no-untyped-def]
+    """1 when entry (fold 0) has a violation bit, else 0; slot 0 is never bad. `hashed` is
+    mix3 of row `_chain_input(buf, slot, prev)`. Same bits as `_verify_one`, without branches."""
+    exp_chain = HEAD_HASH_U64 if prev == -1 else hashed
+    ok = (
+        ((prev == 0) | (buf[slot, 2] == exp_chain))
+        & (buf[slot, 1] == uint64(exp_pos))
+        & (buf[slot, 3] == uint64(0))
+        & ((exp_tok == -1) | (buf[slot, 0] == uint64(exp_tok)))
+    )
+    return 0 if ok | (slot == 0) else 1
+
+
 @njit(cache=True, parallel=True)
+def _count_bad_plain(buf, v_slot, v_prev, v_pos, v_tok):  # type: ignore[no-untyped-def]
+    """Entries with a violation, no real-KV sources (fold 0).
+
+    Four entries at a time, prefetching rows ahead: their four mix3 chains are independent
+    straight-line code, so the CPU overlaps them (one mix3 alone is a ~40-cycle dependency chain).
+    """
+    n = v_slot.shape[0]
+    nblocks = n // 4
+    bad = 0
+    for b in prange(nblocks):
+        i = 4 * b
+        for k in range(4):
+            _prefetch_entry(buf, v_slot, i + k + _PREFETCH_AHEAD, n)
+        a0, a1, a2, a3 = v_slot[i], v_slot[i + 1], v_slot[i + 2], v_slot[i + 3]
+        p0, p1, p2, p3 = v_prev[i], v_prev[i + 1], v_prev[i + 2], v_prev[i + 3]
+        q0, q1 = _chain_input(buf, a0, p0), _chain_input(buf, a1, p1)
+        q2, q3 = _chain_input(buf, a2, p2), _chain_input(buf, a3, p3)
+        h0 = mix3(buf[q0, 2], buf[q0, 0], buf[q0, 1])
+        h1 = mix3(buf[q1, 2], buf[q1, 0], buf[q1, 1])
+        h2 = mix3(buf[q2, 2], buf[q2, 0], buf[q2, 1])
+        h3 = mix3(buf[q3, 2], buf[q3, 0], buf[q3, 1])
+        bad += (
+            _plain_bad(buf, a0, p0, v_pos[i], v_tok[i], h0)
+            + _plain_bad(buf, a1, p1, v_pos[i + 1], v_tok[i + 1], h1)
+            + _plain_bad(buf, a2, p2, v_pos[i + 2], v_tok[i + 2], h2)
+            + _plain_bad(buf, a3, p3, v_pos[i + 3], v_tok[i + 3], h3)
+        )
+    for i in range(4 * nblocks, n):
+        slot = v_slot[i]
+        if slot != 0 and not _entry_ok(buf, slot, v_prev[i], v_pos[i], v_tok[i], uint64(0)):
+            bad += 1
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def _count_bad_folded(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count):  # type: ignore[no-untyped-def]
+    """Entries with a violation, folding `count` real-KV sources."""
+    n = v_slot.shape[0]
+    bad = 0
+    for i in prange(n):
+        _prefetch_entry(buf, v_slot, i + _PREFETCH_AHEAD, n)
+        slot = v_slot[i]
+        if slot != 0:
+            fold = fold_sources(s0, s1, s2, s3, params, count, slot)
+            if not _entry_ok(buf, slot, v_prev[i], v_pos[i], v_tok[i], fold):
+                bad += 1
+    return bad
+
+
+@njit(cache=True, parallel=True)  # parallel: loading it from the cache starts numba's threads
 def verify(  # type: ignore[no-untyped-def]
     buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, tag, ring, state,
 ):  # fmt: skip
     """Verify every entry against `buf` (read-only); record violations in plan order."""
     n = v_slot.shape[0]
-    bad = 0
-    for i in prange(n):
-        slot = v_slot[i]
-        if slot != 0:
-            bits, _ = _verify_one(
-                buf, slot, v_prev[i], v_pos[i], v_tok[i], s0, s1, s2, s3, params, count
-            )
-            if bits != 0:
-                bad += 1
+    if count == 0:
+        bad = _count_bad_plain(buf, v_slot, v_prev, v_pos, v_tok)
+    else:
+        bad = _count_bad_folded(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count)
     if bad == 0:
         return
     for i in range(n):
@@ -242,6 +391,38 @@ def _write_bits(tok, pos, i, do_assert, exp_tok, exp_pos, do_pos, prev_pos):  # 
     return bits
 
 
+@njit(cache=True, inline="always")
+def _lane(r, nreq, req_offsets, start_hash, start_pos, seeds, chain_position):  # type: ignore[no-untyped-def]
+    """(first entry, end entry, running hash, previous position, do_pos) of request `r`'s lane."""
+    if r >= nreq:
+        return 0, 0, uint64(0), 0, False
+    do_pos = chain_position and seeds[r] >= 1
+    return req_offsets[r], req_offsets[r + 1], start_hash[r], start_pos[r], do_pos
+
+
+@njit(cache=True, inline="always")
+def _write_step(  # type: ignore[no-untyped-def]
+    buf, i, nw, running, prev_pos, do_pos, w_slots, input_ids, positions, do_assert, exp_tok,
+    exp_pos, s0, s1, s2, s3, params, count,
+):  # fmt: skip
+    """Write entry `i` of a chain; returns (running, prev_pos, 1 if it needs a ring row else 0)."""
+    if i + _PREFETCH_AHEAD < nw:
+        _prefetch_write(buf, w_slots[i + _PREFETCH_AHEAD])
+    slot = w_slots[i]
+    if slot < 0:
+        return running, prev_pos, 0
+    tok = input_ids[i]
+    pos = positions[i]
+    bad = 0
+    if _write_bits(tok, pos, i, do_assert, exp_tok, exp_pos, do_pos, prev_pos) != 0:
+        bad = 1
+    buf[slot, 0] = uint64(tok)
+    buf[slot, 1] = uint64(pos)
+    buf[slot, 2] = running
+    buf[slot, 3] = fold_sources(s0, s1, s2, s3, params, count, slot)
+    return mix3(running, uint64(tok), uint64(pos)), pos, bad
+
+
 @njit(cache=True, parallel=True)
 def write(  # type: ignore[no-untyped-def]
     buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
@@ -260,26 +441,65 @@ def write(  # type: ignore[no-untyped-def]
         else:
             start_hash[r] = HEAD_HASH_U64
     bad = np.zeros(nreq, dtype=np.int64)
-    for r in prange(nreq):
-        running = start_hash[r]
-        do_pos = chain_position and seeds[r] >= 1
-        prev_pos = start_pos[r]
-        nbad = 0
-        for i in range(req_offsets[r], req_offsets[r + 1]):
-            slot = w_slots[i]
-            if slot < 0:
-                continue
-            tok = input_ids[i]
-            pos = positions[i]
-            if _write_bits(tok, pos, i, do_assert, exp_tok, exp_pos, do_pos, prev_pos) != 0:
-                nbad += 1
-            prev_pos = pos
-            buf[slot, 0] = uint64(tok)
-            buf[slot, 1] = uint64(pos)
-            buf[slot, 2] = running
-            buf[slot, 3] = fold_sources(s0, s1, s2, s3, params, count, slot)
-            running = mix3(running, uint64(tok), uint64(pos))
-        bad[r] = nbad
+    # Each task runs up to _LANES requests' chains interleaved, one entry of each in turn: the
+    # chains are independent, so the CPU overlaps their mix3 latencies. Task g owns requests
+    # g, g + ntasks, ... (no two tasks write one request's rows, nor one slot: distinct slots).
+    ntasks = (nreq + _LANES - 1) // _LANES
+    nthreads = _num_threads()
+    if ntasks < nthreads:
+        ntasks = min(nreq, nthreads)
+    nw = w_slots.shape[0]
+    for g in prange(ntasks):
+        r0, r1, r2, r3 = g, g + ntasks, g + 2 * ntasks, g + 3 * ntasks
+        i0, e0, run0, pp0, dp0 = _lane(
+            r0, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i1, e1, run1, pp1, dp1 = _lane(
+            r1, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i2, e2, run2, pp2, dp2 = _lane(
+            r2, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i3, e3, run3, pp3, dp3 = _lane(
+            r3, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        nb0 = nb1 = nb2 = nb3 = 0
+        while i0 < e0 or i1 < e1 or i2 < e2 or i3 < e3:
+            if i0 < e0:
+                run0, pp0, b0 = _write_step(
+                    buf, i0, nw, run0, pp0, dp0, w_slots, input_ids, positions, do_assert,
+                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+                )  # fmt: skip
+                nb0 += b0
+                i0 += 1
+            if i1 < e1:
+                run1, pp1, b1 = _write_step(
+                    buf, i1, nw, run1, pp1, dp1, w_slots, input_ids, positions, do_assert,
+                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+                )  # fmt: skip
+                nb1 += b1
+                i1 += 1
+            if i2 < e2:
+                run2, pp2, b2 = _write_step(
+                    buf, i2, nw, run2, pp2, dp2, w_slots, input_ids, positions, do_assert,
+                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+                )  # fmt: skip
+                nb2 += b2
+                i2 += 1
+            if i3 < e3:
+                run3, pp3, b3 = _write_step(
+                    buf, i3, nw, run3, pp3, dp3, w_slots, input_ids, positions, do_assert,
+                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+                )  # fmt: skip
+                nb3 += b3
+                i3 += 1
+        bad[r0] = nb0
+        if r1 < nreq:
+            bad[r1] = nb1
+        if r2 < nreq:
+            bad[r2] = nb2
+        if r3 < nreq:
+            bad[r3] = nb3
     for r in range(nreq):
         if bad[r] == 0:
             continue
