@@ -90,6 +90,11 @@ class ModelRunner:
         self._provide_truth = provide_truth
         self._sampler = Sampler(oracle if oracle is not None else TokenOracle(model.vocab_size))
 
+    @property
+    def model(self) -> Model:
+        """The model this runner drives (read-only; e.g. for a no-cache reference run)."""
+        return self._model
+
     def group_spec(self, real_data_mode: str) -> BufferGroupSpec:
         """The pool's FULL buffer group for `real_data_mode` (`none`, `partial` or `all`)."""
         return self._pool.buffer_group(real_data_mode)
