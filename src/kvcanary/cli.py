@@ -15,11 +15,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvcanary.app.observability import EventLog, RunMetrics, StepObserver
+from kvcanary.app.selftest.campaign import CAMPAIGN_MODES, CampaignSpec, run_campaign
+from kvcanary.app.selftest.report import campaign_json, campaign_passed, html_report, result_table
 from kvcanary.app.session import RunSettings, run_session
 from kvcanary.app.workload import WorkloadSpec
 from kvcanary.canary import CanaryConfig, CanaryLaunchCapacities
 from kvcanary.engine.config import EngineConfig
 from kvcanary.engine.model import ModelConfig
+from kvcanary.engine.plants import PLANT_NAMES
 
 app = typer.Typer(
     add_completion=False,
@@ -82,6 +85,14 @@ def run(
         int | None, typer.Option(help="serve Prometheus counters on this port")
     ] = None,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
+    plant: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--plant",
+            help="switch on a planted engine bug (repeatable; self-test): "
+            + ", ".join(PLANT_NAMES),
+        ),
+    ] = None,
 ) -> None:
     """Serve the embedded workload on the reference engine with the canary installed.
 
@@ -108,6 +119,7 @@ def run(
                 max_prefill_tokens=max_prefill_tokens,
                 speculative_num_draft_tokens=speculative_num_draft_tokens,
                 seed=seed,
+                plants=tuple(plant or ()),
             ),
             model=ModelConfig(vocab_size=256, dtype=dtype, seed=seed),
             model_kind=model,
@@ -176,6 +188,71 @@ def check_config(
         raise _fail(str(exc)) from None
     Console().print(config)
     Console().print(caps)
+
+
+@app.command()
+def selftest(
+    modes: Annotated[str, typer.Option(help="all | none | comma-separated fault modes")] = "all",
+    plants: Annotated[
+        str, typer.Option(help="all | none | comma-separated planted engine bugs")
+    ] = "all",
+    seeds: Annotated[int, typer.Option(help="seeds per mode and plant")] = 20,
+    first_seed: Annotated[int, typer.Option(help="first seed (replay a failing one)")] = 0,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="write the results as JSON")
+    ] = None,
+    html_path: Annotated[
+        Path | None, typer.Option("--html", help="write an HTML report with plots")
+    ] = None,
+) -> None:
+    """Inject every fault mode and planted bug on many seeds; prove each is caught 1:1.
+
+    Exit status 0 only when every mode and plant is caught on every seed and the clean baseline
+    (same seeds, no faults) has zero violations.
+    """
+    logging.disable(logging.WARNING)  # violations are expected here; the table tells the story
+    try:
+        spec = CampaignSpec(
+            modes=_names(modes, CAMPAIGN_MODES), plants=_names(plants, PLANT_NAMES), seeds=seeds,
+            first_seed=first_seed,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    total = spec.seeds * (1 + len(spec.modes) + len(spec.plants))
+    with Progress(
+        TextColumn("[bold]selftest {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err_console,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("", total=total)
+        baseline, summaries = run_campaign(
+            spec, lambda what: bar.update(task, advance=1, description=what)
+        )
+    Console(width=200).print(result_table(baseline, summaries))
+    if json_path is not None:
+        json_path.write_text(json.dumps(campaign_json(baseline, summaries), indent=2) + "\n")
+    if html_path is not None:
+        html_path.write_text(html_report(baseline, summaries))
+    for o in baseline:
+        if o.violations:
+            typer.echo(
+                f"clean baseline seed {o.seed}: {o.violations} violations; replay: kvcanary run --seed {o.seed}",
+                err=True,
+            )
+    for s in summaries:
+        for o in s.outcomes:
+            if not o.correlation.one_to_one:
+                typer.echo(f"{s.name} seed {o.seed} not caught 1:1; replay: {o.replay}", err=True)
+    if not campaign_passed(baseline, summaries):
+        raise typer.Exit(EXIT_VIOLATIONS)
+
+
+def _names(value: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    word = value.strip().lower()
+    if word == "all":
+        return known
+    if word in ("none", ""):
+        return ()
+    return tuple(n.strip() for n in word.split(",") if n.strip())
 
 
 def main() -> None:
