@@ -169,6 +169,11 @@ class PlantSet:
         """How many times `name` has fired."""
         return self._fires.get(name, 0)
 
+    def awaiting_follow_up(self) -> bool:
+        """Whether a fired plant's second half is still due: a retracted request has not yet
+        resumed through its stale row, or a request has not yet reused its freed drafts."""
+        return bool(self.stale_rows or self.stale_drafts)
+
     def rng(self, name: str) -> random.Random:
         """The seeded RNG of plant `name`."""
         return self._rngs[name]

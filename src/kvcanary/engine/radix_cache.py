@@ -241,11 +241,17 @@ class RadixCache:
 
     def _plant_evict_locked(self) -> int:
         """`radix_evict_locked`: evict a locked leaf as if its lock were 0, and free its slots
-        although running requests still read them. Returns the slots freed (0 when no locked
-        leaf exists; then nothing fires)."""
+        although running requests still read them. Returns the slots freed (0 when no leaf
+        locked by a running request exists; then nothing fires)."""
         plants = self._plants
+        # held by requests already running: not touched by the match of the admission that
+        # is asking for slots now (evicting that one would harm nobody)
         locked = sorted(
-            (n for n in self._nodes() if not n.children and n.lock_ref > 0),
+            (
+                n
+                for n in self._nodes()
+                if not n.children and n.lock_ref > 0 and n.last_access < self._clock
+            ),
             key=lambda n: n.node_id,
         )
         if not locked:
