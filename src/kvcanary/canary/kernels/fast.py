@@ -445,7 +445,7 @@ def write(  # type: ignore[no-untyped-def]
     # chains are independent, so the CPU overlaps their mix3 latencies. Task g owns requests
     # g, g + ntasks, ... (no two tasks write one request's rows, nor one slot: distinct slots).
     ntasks = (nreq + _LANES - 1) // _LANES
-    nthreads = _num_threads()
+    nthreads = _num_threads()  # type: ignore[call-arg,var-annotated]
     if ntasks < nthreads:
         ntasks = min(nreq, nthreads)
     nw = w_slots.shape[0]
