@@ -100,7 +100,10 @@ class KvManager:
         slots evicted)`."""
         short = n - self._allocator.num_free
         evicted = self._radix.evict(short) if short > 0 and self._prefix_cache_on else 0
-        return self._allocator.alloc(n), evicted
+        slots = self._allocator.alloc(n)
+        if slots is not None and self._plants.names:
+            self._plants.note_alloc(slots)
+        return slots, evicted
 
     def extend(self, req: Request, slots: Sequence[int]) -> None:
         """Append freshly allocated `slots` (the request takes their reference) after its last

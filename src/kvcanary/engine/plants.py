@@ -109,6 +109,7 @@ class PlantSet:
         "stale_drafts",
         "stale_rows",
         "step",
+        "tainted",
     )
 
     def __init__(
@@ -141,6 +142,9 @@ class PlantSet:
         self.ghost_nodes: set[int] = set()
         #: prefix_reused_slots: slot -> cached position, for slots of ghost nodes
         self.ghost_slots: dict[int, int] = {}
+        #: slots a fired plant left mapped somewhere -> (plant, position); their first reuse by
+        #: the allocator is journaled, since that is when the stale mapping turns into wrong KV
+        self.tainted: dict[int, tuple[str, int]] = {}
 
     @property
     def names(self) -> frozenset[str]:
@@ -207,9 +211,22 @@ class PlantSet:
         self.journal.append(rec)
         if counted:
             self._fires[name] += 1
+            for slot, position in zip(rec.slots, rec.positions, strict=False):
+                self.tainted.setdefault(slot, (name, position))
         if self._allocator is not None:
             self._allocator.tolerate_unheld = True
         return rec
+
+    def note_alloc(self, slots: Sequence[int]) -> None:
+        """Journal (uncounted) the first reuse of slots a fired plant left mapped."""
+        if not self.tainted:
+            return
+        hits = [(s, self.tainted.pop(s)) for s in slots if s in self.tainted]
+        for slot, (name, position) in hits:
+            self.record(
+                name, slots=(slot,), row=0, positions=(position,), counted=False,
+                description=f"slot {slot} (still mapped at position {position}) handed out again",
+            )  # fmt: skip
 
     # ---- helpers the hooks share -----------------------------------------------------------
 

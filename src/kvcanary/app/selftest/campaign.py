@@ -33,6 +33,7 @@ CAMPAIGN_MODES: tuple[str, ...] = (
     "next_token_swap", "canary_tamper", "late_write", "stale_prefix", "double_alloc",
     "position_off_by_one",
 )  # fmt: skip
+_NEEDS_REJECTED_DRAFTS = frozenset({"spec_rollback_stale"})
 _CP = frozenset({"verify_chain_hash", "verify_position"})
 _RKV = frozenset({"verify_real_kv_hash"})
 EXPECTED_REASONS: dict[str, frozenset[str]] = {
@@ -85,22 +86,27 @@ def case_settings(
     spec: CampaignSpec, seed: int, *, mode: str | None = None, plant: str | None = None
 ) -> RunSettings:
     """The fixture of one case: oracle model, small pool, chunked prefill, speculation, sweeps."""
+    # Oracle drafts are always accepted, so the rollback plant needs the tiny model's n-gram drafts;
+    # plants run without aborts (a retracted request aborted while waiting never shows its row).
+    model_kind = "tiny" if plant in _NEEDS_REJECTED_DRAFTS else "oracle"
     perturb = PerturbConfig(
         probabilities={mode: 1.0} if mode else {}, seed=seed, warmup_steps=spec.warmup_steps,
         target_group="full" if mode else None,
     )  # fmt: skip
     canary = CanaryConfig(
         mode=CanaryMode.LOG, real_data=RealDataMode.PARTIAL, sweep_interval=spec.sweep_interval,
-        stats_print_every_n_steps=0, enable_write_input_assert=True, perturb=perturb,
+        stats_print_every_n_steps=0, enable_write_input_assert=model_kind == "oracle", perturb=perturb,
     )  # fmt: skip
     engine = EngineConfig(
         num_slots=320, max_context_len=256, vocab_size=256, max_running_requests=8, max_batch_size=8,
         chunked_prefill_size=16, max_prefill_tokens=64, speculative_num_draft_tokens=2, seed=seed,
         plants=(plant,) if plant else (),
     )  # fmt: skip
+    workload = WorkloadSpec(num_requests=spec.requests, seed=seed, vocab_size=256,
+                            abort_fraction=0.0 if plant else 0.1)  # fmt: skip
     return RunSettings(
-        canary=canary, engine=engine, model=ModelConfig(vocab_size=256, seed=seed), model_kind="oracle",
-        workload=WorkloadSpec(num_requests=spec.requests, seed=seed, vocab_size=256),
+        canary=canary, engine=engine, model=ModelConfig(vocab_size=256, seed=seed), model_kind=model_kind,
+        workload=workload,
     )  # fmt: skip
 
 
@@ -139,9 +145,8 @@ def run_case(
     else:
         faults = faults_of_plants(stack.engine.plant_journal(), sweep_interval=spec.sweep_interval)
     kind = "mode" if mode else "plant" if plant else "clean"
-    return CaseOutcome(
-        mode or plant or "clean", kind, seed, correlate(faults, violations), len(violations)
-    )
+    correlation = correlate(faults, violations, cascades=plant is not None)
+    return CaseOutcome(mode or plant or "clean", kind, seed, correlation, len(violations))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +184,7 @@ class NameSummary:
             ),
             "missed": sum(o.correlation.missed for o in self.outcomes),
             "false_alarms": sum(len(o.correlation.false_alarms) for o in self.outcomes),
+            "cascade_rows": sum(len(o.correlation.cascades) for o in self.outcomes),
             "latency_steps_median": statistics.median(lat) if lat else None,
             "latency_steps_max": max(lat) if lat else None,
             "reasons_seen": sorted(self.reasons_seen),

@@ -29,6 +29,15 @@ class Fault:
     window: int  # steps allowed between the fault and its first row
     positions: frozenset[int] = frozenset()  # sequence positions whose rows it also explains
     detail: str = ""
+    follow_steps: tuple[int, ...] = ()  # later moments the fault's stale state was acted on
+
+    def latency(self, first_row_step: int) -> int:
+        """Steps from the latest moment the fault was acted on (its injection or a follow-up,
+        e.g. a freed slot handed out again) up to its first row."""
+        start = max(
+            (s for s in (self.step, *self.follow_steps) if s <= first_row_step), default=self.step
+        )
+        return first_row_step - start
 
     def claims(self, v: Violation) -> bool:
         """True when `v` names one of this fault's slots, or a position it disturbed (a mapping
@@ -47,6 +56,7 @@ class Correlation:
     rows_per_fault: tuple[tuple[Violation, ...], ...]
     false_alarms: tuple[Violation, ...]
     latencies: tuple[int | None, ...] = field(default=())
+    cascades: tuple[Violation, ...] = field(default=())
 
     @property
     def caught(self) -> int:
@@ -88,11 +98,19 @@ def _group_of(v: Violation) -> str:
     return "swa" if tag_name(v.kernel_kind).endswith("_SWA") else "full"
 
 
-def correlate(faults: Sequence[Fault], violations: Sequence[Violation]) -> Correlation:
-    """Assign each violation to the most recent fault that claims it."""
+def correlate(
+    faults: Sequence[Fault], violations: Sequence[Violation], *, cascades: bool = False
+) -> Correlation:
+    """Assign each violation to the most recent fault that claims it.
+
+    With `cascades` (planted engine bugs, which keep corrupting the engine's state after they
+    fire), an unclaimed row after the first fault is a *cascade* row, reported apart; without it
+    (one-shot injected faults) every unclaimed row is a false alarm.
+    """
     order = sorted(range(len(faults)), key=lambda i: faults[i].step)
     rows: list[list[Violation]] = [[] for _ in faults]
-    false_alarms = []
+    false_alarms, cascade_rows = [], []
+    first_step = min((f.step for f in faults), default=None)
     for v in violations:
         owner = None
         for i in order:
@@ -101,12 +119,25 @@ def correlate(faults: Sequence[Fault], violations: Sequence[Violation]) -> Corre
                 break
             if f.claims(v):
                 owner = i
-        if owner is None:
+        if (
+            owner is None
+            and cascades
+            and first_step is not None
+            and v.step_when_pumped >= first_step
+        ):
+            cascade_rows.append(v)
+        elif owner is None:
             false_alarms.append(v)
         else:
             rows[owner].append(v)
     latencies = tuple(
-        min(v.step_when_pumped for v in r) - f.step if r else None
+        f.latency(min(v.step_when_pumped for v in r)) if r else None
         for f, r in zip(faults, rows, strict=True)
     )
-    return Correlation(tuple(faults), tuple(tuple(r) for r in rows), tuple(false_alarms), latencies)
+    return Correlation(
+        tuple(faults),
+        tuple(tuple(r) for r in rows),
+        tuple(false_alarms),
+        latencies,
+        tuple(cascade_rows),
+    )

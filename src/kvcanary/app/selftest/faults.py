@@ -134,5 +134,6 @@ def faults_of_plants(records: Sequence[PlantRecord], *, sweep_interval: int) -> 
         else:
             f = faults[latest]
             faults[latest] = Fault(f.name, f.step, f.group, f.slots | slots, f.window,
-                                   positions=f.positions | positions, detail=f.detail)  # fmt: skip
+                                   positions=f.positions | positions, detail=f.detail,
+                                   follow_steps=(*f.follow_steps, r.step))  # fmt: skip
     return faults

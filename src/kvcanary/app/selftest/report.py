@@ -39,7 +39,7 @@ def result_table(baseline: Sequence[CaseOutcome], summaries: Sequence[NameSummar
     table = Table(
         title=f"kvcanary selftest (clean baseline: {len(baseline)} seeds, {clean} violations)"
     )
-    for col in ("name", "kind", "seeds", "injections", "1:1", "any", "missed", "false alarms",
+    for col in ("name", "kind", "seeds", "injections", "1:1", "any", "missed", "false alarms", "cascade",
                 "latency med/max", "reasons seen", "expected", "ok"):  # fmt: skip
         table.add_column(
             col, justify="left" if col in ("name", "kind", "reasons seen", "expected") else "right"
@@ -48,7 +48,7 @@ def result_table(baseline: Sequence[CaseOutcome], summaries: Sequence[NameSummar
         j = s.as_json()
         table.add_row(
             s.name, s.kind, str(j["seeds"]), str(j["injections"]), str(j["seeds_caught_1to1"]),
-            str(j["seeds_caught_any"]), str(j["missed"]), str(j["false_alarms"]),
+            str(j["seeds_caught_any"]), str(j["missed"]), str(j["false_alarms"]), str(j["cascade_rows"]),
             f"{j['latency_steps_median']}/{j['latency_steps_max']}", " ".join(s.reasons_seen and sorted(s.reasons_seen)),
             " ".join(sorted(s.reasons_expected)), "[green]yes[/]" if s.passed else "[red]NO[/]",
         )  # fmt: skip
