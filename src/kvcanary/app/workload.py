@@ -25,11 +25,20 @@ class WorkloadSpec:
     max_new_tokens: tuple[int, int] = (4, 24)
     abort_fraction: float = 0.1
     arrivals_per_step: int = 4
+    #: engine steps between arrival groups: `arrivals_per_step` requests arrive every this many
+    #: steps (1 = every step), so a long run can match the arrival rate to the engine's throughput
+    arrival_interval_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
             raise ValueError(
                 f"--requests must be >= 1, got {self.num_requests}; ask for at least one"
+            )
+        if self.arrivals_per_step < 1:
+            raise ValueError(f"arrivals_per_step must be >= 1, got {self.arrivals_per_step}")
+        if self.arrival_interval_steps < 1:
+            raise ValueError(
+                f"arrival_interval_steps must be >= 1, got {self.arrival_interval_steps}"
             )
 
 
@@ -58,7 +67,7 @@ def build_workload(spec: WorkloadSpec) -> list[PlannedRequest]:
         out.append(
             PlannedRequest(
                 request_id=f"req-{i}",
-                arrival_step=i // spec.arrivals_per_step,
+                arrival_step=(i // spec.arrivals_per_step) * spec.arrival_interval_steps,
                 prompt=rng.choice(systems) + user,
                 max_new_tokens=rng.randint(*spec.max_new_tokens),
                 # 1-2 steps after arrival lands in prefill; later ones in decode

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 
+import numba
 import numpy as np
 import numpy.typing as npt
 
@@ -32,6 +34,25 @@ __all__ = ["Canary"]
 
 logger = logging.getLogger("kvcanary")
 _NO_TOKENS = np.full(0, -1, dtype=np.int64)
+
+#: A stage with fewer verify + write entries than this runs its kernels on one thread: waking
+#: the thread pool costs more than such a launch's work, and when another process holds a core
+#: the launch waits a scheduler time slice for it (milliseconds per launch on a busy machine).
+SERIAL_LAUNCH_ENTRIES = 4096
+
+
+@contextmanager
+def _launch_threads(entries: int) -> Iterator[None]:
+    """Run the kernels launched inside on one thread when `entries` is below the threshold."""
+    before = int(numba.get_num_threads())
+    if entries >= SERIAL_LAUNCH_ENTRIES or before == 1:
+        yield
+        return
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +241,11 @@ class Canary:
         return plan
 
     def _run_stage(self, stage: str, snap: ViewSnapshot, plans: dict[str, GroupPlan]) -> None:
+        entries = sum(len(p.v_slot) + len(p.w_slots) for p in plans.values())
+        with _launch_threads(entries):
+            self._launch_stage(stage, snap, plans)
+
+    def _launch_stage(self, stage: str, snap: ViewSnapshot, plans: dict[str, GroupPlan]) -> None:
         chain_position = self.chain_position_assert_enabled and snap.linear_chain
         for g in self.groups:
             plan = plans[g.name]
@@ -261,6 +287,15 @@ class Canary:
         walked = np.fromiter(
             (x for entry in self._walker.walk() for x in entry), dtype=np.int64
         ).reshape(-1, 3)
+        with _launch_threads(len(walked)):
+            self._sweep_groups(walked)
+        self.sweep_passes += 1
+        self._last_sweep_step = self.step
+        logger.info(
+            "[canary] sweep pass=%d step=%d entries=%d", self.sweep_passes, self.step, len(walked)
+        )
+
+    def _sweep_groups(self, walked: npt.NDArray[np.int64]) -> None:
         for g in self.groups:
             slots, prevs = g.translate(walked[:, 0].copy()), g.translate(walked[:, 2].copy())
             # An evicted SWA slot translates to 0 and is skipped by verify.
@@ -271,11 +306,6 @@ class Canary:
                     tag, g.words("sweep", half), g.stage_sources("sweep", half),
                     slots, prevs, walked[:, 1].copy(), tokens,
                 )  # fmt: skip
-        self.sweep_passes += 1
-        self._last_sweep_step = self.step
-        logger.info(
-            "[canary] sweep pass=%d step=%d entries=%d", self.sweep_passes, self.step, len(walked)
-        )
 
     def _pump(self) -> None:
         new = self.ring.pump(self.step)
