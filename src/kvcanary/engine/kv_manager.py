@@ -125,6 +125,8 @@ class KvManager:
         """Give back everything `req` holds: its computed prefix goes to the radix cache when
         `cache` (and caching is on), every other slot reference is dropped, the radix lock is
         released and the row is zeroed and freed."""
+        if self._plants.unread:
+            self._plants.note_dropped(req.request_id)
         done = req.num_computed
         if cache and self._prefix_cache_on and done > 0:
             self._radix.insert(req.tokens[:done], req.slots[:done])
@@ -138,6 +140,11 @@ class KvManager:
         req.slots, req.num_computed, req.handle, req.row = [], 0, None, 0
 
     # ---- planted bugs (engine/plants.py); reached only when a plant is configured -----------
+
+    def plant_note_read(self, req: Request) -> None:
+        """A forward of `req` ran (its stale state, if any, has been read)."""
+        if self._plants.unread:
+            self._plants.note_read(req.request_id)
 
     def plant_retract_stale(self, req: Request) -> bool:
         """`retract_stale_row`: release `req` for a retraction but free its computed slots
@@ -160,6 +167,8 @@ class KvManager:
         )
         self._plants.save_stale(self._plants.stale_rows, req.request_id, req.row, 0, computed)
         self._allocator.decref(req.slots)
+        # the retraction frees memory for someone else, who takes these slots next
+        self._allocator.reuse_first(freed)
         if req.handle is not None:
             self._radix.unlock(req.handle)
         self._rows.free(req.row)  # the row is freed but not zeroed
@@ -180,6 +189,7 @@ class KvManager:
             counted=False,
         )
         self._allocator.incref(stale)
+        self._plants.unread[req.request_id] = "retract_stale_row"
         req.row, req.slots, req.num_computed, req.handle = row, list(stale), len(stale), None
         self._table.write(row, 0, stale)
         return len(stale)

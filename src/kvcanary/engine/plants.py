@@ -36,7 +36,10 @@ from dataclasses import dataclass
 
 from kvcanary.engine.slot_allocator import SlotAllocator
 
-__all__ = ["PLANT_NAMES", "PlantRecord", "PlantSet", "validate_plants"]
+__all__ = ["PLANT_NAMES", "UNREAD_PREFIX", "PlantRecord", "PlantSet", "validate_plants"]
+
+#: description prefix of the record that marks a firing whose damage nothing ever read
+UNREAD_PREFIX = "unread: "
 
 PLANT_NAMES: tuple[str, ...] = (
     "radix_evict_locked",
@@ -110,6 +113,7 @@ class PlantSet:
         "stale_rows",
         "step",
         "tainted",
+        "unread",
     )
 
     def __init__(
@@ -145,6 +149,8 @@ class PlantSet:
         #: slots a fired plant left mapped somewhere -> (plant, position); their first reuse by
         #: the allocator is journaled, since that is when the stale mapping turns into wrong KV
         self.tainted: dict[int, tuple[str, int]] = {}
+        #: request id -> plant whose stale state it took on but no forward has read yet
+        self.unread: dict[str, str] = {}
 
     @property
     def names(self) -> frozenset[str]:
@@ -216,6 +222,22 @@ class PlantSet:
         if self._allocator is not None:
             self._allocator.tolerate_unheld = True
         return rec
+
+    def note_read(self, request_id: str) -> None:
+        """A forward of `request_id` ran: any stale state it took on has now been read."""
+        self.unread.pop(request_id, None)
+
+    def note_dropped(self, request_id: str) -> None:
+        """`request_id` gave up its state before any forward read the stale part: the firing
+        did no harm, so it is journaled as unread and its budget is refunded (it may fire again)."""
+        name = self.unread.pop(request_id, None)
+        if name is None:
+            return
+        self._fires[name] -= 1
+        self.record(
+            name, slots=(), row=0, positions=(), counted=False, request_id=request_id,
+            description=f"{UNREAD_PREFIX}{request_id!r} dropped its stale state before any forward read it",
+        )  # fmt: skip
 
     def note_alloc(self, slots: Sequence[int]) -> None:
         """Journal (uncounted) the first reuse of slots a fired plant left mapped."""

@@ -258,6 +258,7 @@ class Scheduler:
                 continue  # aborted or retracted since the plan was built
             if req.num_computed != chunk.prefix_len:
                 raise RuntimeError(f"request {req.request_id!r} moved since its chunk was planned")
+            self._kv.plant_note_read(req)
             self._apply(req, chunk, out.sampled, verify=plan.kind is ForwardKind.VERIFY)
             if req.is_done:
                 self._finish(req)

@@ -91,6 +91,16 @@ class SlotAllocator:
                 freed += 1
         return freed
 
+    def reuse_first(self, slots: Iterable[int]) -> None:
+        """Move these free slots to the front of the free list (LIFO reuse); held ones are
+        ignored. Planted bugs use it so freed-but-still-mapped slots are overwritten promptly."""
+        wanted = [s for s in slots if self._refs[s] == 0]
+        if not wanted:
+            return
+        chosen = set(wanted)
+        rest = [s for s in self._free if s not in chosen]
+        self._free = deque([*(s for s in wanted if s in set(self._free)), *rest])
+
     def free(self, slots: Iterable[int]) -> None:
         """Release slots held exactly once (private slots); a shared slot raises."""
         slots = list(slots)

@@ -102,8 +102,10 @@ def case_settings(
         chunked_prefill_size=16, max_prefill_tokens=64, speculative_num_draft_tokens=2, seed=seed,
         plants=(plant,) if plant else (),
     )  # fmt: skip
+    # and long-lived requests, so a request hit by a plant still reads its KV after the damage
     workload = WorkloadSpec(num_requests=spec.requests, seed=seed, vocab_size=256,
-                            abort_fraction=0.0 if plant else 0.1)  # fmt: skip
+                            abort_fraction=0.0 if plant else 0.1,
+                            max_new_tokens=(16, 40) if plant else (4, 24))  # fmt: skip
     return RunSettings(
         canary=canary, engine=engine, model=ModelConfig(vocab_size=256, seed=seed), model_kind=model_kind,
         workload=workload,

@@ -16,7 +16,7 @@ from kvcanary.canary import PerturbRecord
 from kvcanary.canary.perturb import Perturber
 from kvcanary.canary.perturb_seam import CanaryState
 from kvcanary.contract import ForwardView
-from kvcanary.engine.plants import PlantRecord
+from kvcanary.engine.plants import UNREAD_PREFIX, PlantRecord
 
 __all__ = ["CACHE_MODES", "RelatedSlots", "fault_from_record", "faults_of", "faults_of_plants"]
 
@@ -123,6 +123,13 @@ def faults_of_plants(records: Sequence[PlantRecord], *, sweep_interval: int) -> 
     of the same plant with the slots and positions they name."""
     faults: list[Fault] = []
     for r in records:
+        if r.description.startswith(UNREAD_PREFIX):  # that firing did no harm: not an injection
+            latest = next(
+                (i for i in range(len(faults) - 1, -1, -1) if faults[i].name == r.plant), None
+            )
+            if latest is not None:
+                del faults[latest]
+            continue
         slots = frozenset(s for s in r.slots if s > 0)
         positions = frozenset(r.positions) | {p + 1 for p in r.positions}
         latest = next(

@@ -14,11 +14,19 @@ task for the same reason (each chain is a serial mix3 dependency).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types, uint64
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+# `verify` is parallel=True only so that loading it from numba's cache starts the thread pool its
+# parallel helpers need; numba warns that it found nothing to parallelise in its own body.
+warnings.filterwarnings(
+    "ignore", message=r"(?s).*'parallel=True' was specified but no transformation", category=Warning
+)
 
 _C1 = uint64(0xBF58476D1CE4E5B9)
 _C2 = uint64(0x94D049BB133111EB)
