@@ -6,7 +6,9 @@ canary in log mode and periodic prefix-cache sweeps, then prints what the canary
     python examples/vllm_smoke.py --model /path/to/tiny-llama [--requests 20] [--make-model]
 
 `--make-model` first writes a random-weight Llama (head_dim 64) with `transformers` to
-`--model`. The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); the
+`--model`. `--wrong-donor-at N` simulates a vLLM prefix-cache bug (the N-th cache hit returns
+another cached block); `--env KVCANARY_PERTURB_..._PROB=p` turns on the canary's own fault
+injection (SPEC §11). Exit status: 1 when a run without injections reports violations. The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); the
 adapter is registered directly (the packaged `vllm.general_plugins` entry point does the same).
 """
 
@@ -33,6 +35,30 @@ def make_model(path: Path) -> None:
     LlamaForCausalLM(cfg).save_pretrained(str(path))
 
 
+def simulate_wrong_donor(nth: int) -> None:
+    """Patch vLLM's `BlockPool.get_cached_block` so its `nth` hit returns a different cached
+    block: a stale / wrong-donor prefix hit that vLLM itself does not notice."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    original = BlockPool.get_cached_block
+    hits = [0]
+
+    def get_cached_block(self, block_hash, kv_cache_group_ids):  # type: ignore[no-untyped-def]
+        found = original(self, block_hash, kv_cache_group_ids)
+        if found is None:
+            return None
+        hits[0] += 1
+        if hits[0] != nth:
+            return found
+        others = [b for b in self.blocks if b.block_hash is not None and b not in found]
+        if not others:
+            return found
+        print(f"[sim] lookup hit {nth}: block {found[0].block_id} -> {others[0].block_id}")
+        return [others[0]]
+
+    BlockPool.get_cached_block = get_cached_block
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=Path("/tmp/kvcanary-tinyllama"))
@@ -44,6 +70,9 @@ def main() -> int:
     ap.add_argument("--sweep-interval", type=int, default=4)
     ap.add_argument("--kv-blocks", type=int, default=48, help="num_gpu_blocks_override")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--wrong-donor-at", type=int, default=0, metavar="N",
+                    help="simulate a vLLM prefix-cache bug: the N-th cache lookup hit returns "
+                    "another cached block (0 = off)")  # fmt: skip
     ap.add_argument("--env", action="append", default=[], metavar="KVCANARY_X=V",
                     help="extra canary knobs, e.g. fault injection (SPEC §11)")  # fmt: skip
     args = ap.parse_args()
@@ -67,6 +96,9 @@ def main() -> int:
     t0 = time.perf_counter()
     register()
     from vllm import LLM, SamplingParams
+
+    if args.wrong_donor_at > 0:
+        simulate_wrong_donor(args.wrong_donor_at)
 
     llm = LLM(model=str(args.model), skip_tokenizer_init=True, dtype="float32", block_size=32,
               enable_prefix_caching=True, max_model_len=512, max_num_seqs=6,
