@@ -104,3 +104,34 @@ def test_small_clean_run_writes_the_summary(tmp_path: Path) -> None:
     for key in ("tokens_generated", "forward_steps", "retractions", "evictions", "radix_hit_tokens",
                 "spec_accepted_tokens", "wall_seconds", "canary_seconds"):  # fmt: skip
         assert key in summary
+
+
+FAULT_ENV = {
+    "KVCANARY_PERTURB_REAL_KV_USED_PROB": "1",
+    "KVCANARY_PERTURB_TARGET_GROUP": "full",
+    "KVCANARY_PERTURB_WARMUP_STEPS": "3",
+}
+SMALL_RUN = ["run", "--quiet", "--model", "oracle", "--requests", "6", "--num-slots", "256"]
+
+
+@pytest.mark.slow
+def test_violations_in_log_mode_exit_1(tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    result = kvcanary([*SMALL_RUN, "--json", str(out)], FAULT_ENV)
+    assert result.returncode == 1, result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["violations"] > 0 and summary["violations_by_reason"].keys() == {
+        "verify_real_kv_hash"
+    }
+    assert summary["requests_finished"] + summary["requests_aborted"] == 6  # log mode keeps serving
+    assert "replay with --seed 0" in result.stderr
+
+
+@pytest.mark.slow
+def test_raise_mode_stops_with_exit_3(tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    result = kvcanary([*SMALL_RUN, "--kv-canary", "raise", "--json", str(out)], FAULT_ENV)
+    assert result.returncode == 3, result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["violations"] > 0
+    assert summary["requests_finished"] + summary["requests_aborted"] < 6  # stopped early
