@@ -7,9 +7,10 @@ Verify and write are parallel across entries and requests respectively; ring row
 afterwards by a serial pass in plan order, so the ring is deterministic.
 
 Performance (bench/kernels.py): verify prefetches record rows ahead (random slot orders are
-otherwise DRAM-latency bound) and, without real-KV sources, checks four entries per step with
-branch-free code so their mix3 chains overlap; write interleaves up to four requests' chains per
-task for the same reason (each chain is a serial mix3 dependency).
+otherwise DRAM-latency bound) and, without real-KV sources, checks runs of consecutive slots with
+a vectorized loop and other entries four per step with branch-free code so their mix3 chains
+overlap; write interleaves up to four requests' chains per task for the same reason (each
+chain is a serial mix3 dependency).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _S30, _S27, _S31 = uint64(30), uint64(27), uint64(31)
 HEAD_HASH_U64 = uint64(0xDE7FAE23A9A1B716)
 _CHAIN_POSITION_FLAG = 64  # internal: the chain-position row of SPEC §5.2 (reported as bit 16)
 _PREFETCH_AHEAD = 16  # entries: random rows are requested this far ahead of their use
+_CHUNK = 256  # verify entries per chunk (a consecutive chunk is checked vectorized)
 _LANES = 4  # independent request chains interleaved per write task (hides mix3 latency)
 
 
@@ -312,38 +314,85 @@ def _plain_bad(buf, slot, prev, exp_pos, exp_tok, hashed):  # type: ignore[no-un
     return 0 if ok | (slot == 0) else 1
 
 
+@njit(cache=True, inline="always")
+def _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi):  # type: ignore[no-untyped-def]
+    """(bad entries, 0) of entries `lo:hi` when their slots run consecutively from `v_slot[lo]`
+    and each prev is 0, -1 or the slot before; (-, > 0) when that assumption fails somewhere.
+
+    Rows are then contiguous and each entry's chain input is the row just before its own, so this
+    loop needs no per-entry select of the chain row, no prefetch test and no slot-0 test; it is
+    branch-free and LLVM vectorizes it (mix3 in AVX-512 lanes; the row words are still gathered).
+    Reads only rows `v_slot[lo] - 1 .. v_slot[hi - 1]`, which the caller checks are in `buf`.
+    """
+    base = v_slot[lo] - lo
+    rows = buf[base - 1 + lo : base + hi]
+    nb = 0
+    nmis = 0
+    for k in range(hi - lo):
+        i = lo + k
+        p = v_prev[i]
+        h = mix3(rows[k, 2], rows[k, 0], rows[k, 1])
+        exp_chain = HEAD_HASH_U64 if p == -1 else h
+        ok = (
+            ((p == 0) | (rows[k + 1, 2] == exp_chain))
+            & (rows[k + 1, 1] == uint64(v_pos[i]))
+            & (rows[k + 1, 3] == uint64(0))
+            & ((v_tok[i] == -1) | (rows[k + 1, 0] == uint64(v_tok[i])))
+        )
+        nb += 0 if ok else 1
+        slot = base + i
+        nmis += 0 if (v_slot[i] == slot) & ((p == 0) | (p == -1) | (p == slot - 1)) else 1
+    return nb, nmis
+
+
 @njit(cache=True, parallel=True)
 def _count_bad_plain(buf, v_slot, v_prev, v_pos, v_tok):  # type: ignore[no-untyped-def]
     """Entries with a violation, no real-KV sources (fold 0).
 
-    Four entries at a time, prefetching rows ahead: their four mix3 chains are independent
-    straight-line code, so the CPU overlaps them (one mix3 alone is a ~40-cycle dependency chain).
+    Chunks of `_CHUNK` entries. A chunk whose slots run consecutively (chains over contiguous
+    rows) goes through `_plain_run`, vectorized. Any other chunk is checked four entries at a
+    time, prefetching rows ahead: their four mix3 chains are independent straight-line code, so
+    the CPU overlaps them (one mix3 alone is a ~40-cycle dependency chain).
     """
     n = v_slot.shape[0]
-    nblocks = n // 4
+    nchunks = (n + _CHUNK - 1) // _CHUNK
     bad = 0
-    for b in prange(nblocks):
-        i = 4 * b
-        for k in range(4):
-            _prefetch_entry(buf, v_slot, i + k + _PREFETCH_AHEAD, n)
-        a0, a1, a2, a3 = v_slot[i], v_slot[i + 1], v_slot[i + 2], v_slot[i + 3]
-        p0, p1, p2, p3 = v_prev[i], v_prev[i + 1], v_prev[i + 2], v_prev[i + 3]
-        q0, q1 = _chain_input(buf, a0, p0), _chain_input(buf, a1, p1)
-        q2, q3 = _chain_input(buf, a2, p2), _chain_input(buf, a3, p3)
-        h0 = mix3(buf[q0, 2], buf[q0, 0], buf[q0, 1])
-        h1 = mix3(buf[q1, 2], buf[q1, 0], buf[q1, 1])
-        h2 = mix3(buf[q2, 2], buf[q2, 0], buf[q2, 1])
-        h3 = mix3(buf[q3, 2], buf[q3, 0], buf[q3, 1])
-        bad += (
-            _plain_bad(buf, a0, p0, v_pos[i], v_tok[i], h0)
-            + _plain_bad(buf, a1, p1, v_pos[i + 1], v_tok[i + 1], h1)
-            + _plain_bad(buf, a2, p2, v_pos[i + 2], v_tok[i + 2], h2)
-            + _plain_bad(buf, a3, p3, v_pos[i + 3], v_tok[i + 3], h3)
-        )
-    for i in range(4 * nblocks, n):
-        slot = v_slot[i]
-        if slot != 0 and not _entry_ok(buf, slot, v_prev[i], v_pos[i], v_tok[i], uint64(0)):
-            bad += 1
+    for c in prange(nchunks):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        first = v_slot[lo]
+        last = v_slot[hi - 1]
+        nb = 0
+        nmis = 1
+        if (first >= 1) & (last - first == hi - 1 - lo) & (last < buf.shape[0]):
+            nb, nmis = _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi)
+        if nmis != 0:
+            nb = 0
+            i = lo
+            while i + 4 <= hi:
+                for k in range(4):
+                    _prefetch_entry(buf, v_slot, i + k + _PREFETCH_AHEAD, n)
+                a0, a1, a2, a3 = v_slot[i], v_slot[i + 1], v_slot[i + 2], v_slot[i + 3]
+                p0, p1, p2, p3 = v_prev[i], v_prev[i + 1], v_prev[i + 2], v_prev[i + 3]
+                q0, q1 = _chain_input(buf, a0, p0), _chain_input(buf, a1, p1)
+                q2, q3 = _chain_input(buf, a2, p2), _chain_input(buf, a3, p3)
+                h0 = mix3(buf[q0, 2], buf[q0, 0], buf[q0, 1])
+                h1 = mix3(buf[q1, 2], buf[q1, 0], buf[q1, 1])
+                h2 = mix3(buf[q2, 2], buf[q2, 0], buf[q2, 1])
+                h3 = mix3(buf[q3, 2], buf[q3, 0], buf[q3, 1])
+                nb += (
+                    _plain_bad(buf, a0, p0, v_pos[i], v_tok[i], h0)
+                    + _plain_bad(buf, a1, p1, v_pos[i + 1], v_tok[i + 1], h1)
+                    + _plain_bad(buf, a2, p2, v_pos[i + 2], v_tok[i + 2], h2)
+                    + _plain_bad(buf, a3, p3, v_pos[i + 3], v_tok[i + 3], h3)
+                )
+                i += 4
+            while i < hi:
+                slot = v_slot[i]
+                if slot != 0 and not _entry_ok(buf, slot, v_prev[i], v_pos[i], v_tok[i], uint64(0)):
+                    nb += 1
+                i += 1
+        bad += nb
     return bad
 
 
