@@ -80,14 +80,6 @@ class EngineConfig:
     @property
     def chunk_limit(self) -> int | None:
         """`chunked_prefill_size` normalised: None when unlimited."""
-        if isinstance(self.plants, str):
-            raise ValueError(
-                f"EngineConfig.plants must be a tuple of plant names, got {self.plants!r}; "
-                f"write ({self.plants!r},)"
-            )
-        validate_plants(self.plants)
-        _at_least("plant_warmup_steps", self.plant_warmup_steps, 0, "use 0 to arm at once")
-        _at_least("plant_max_fires", self.plant_max_fires, 1, "drop the plant to turn it off")
         chunk = self.chunked_prefill_size
         return None if chunk is None or chunk == -1 else chunk
 

@@ -97,6 +97,29 @@ class RadixCache:
         Splits a node when the match ends inside it; refreshes LRU times along the path. Takes
         no reference: the slots stay valid only while the handle is locked.
         """
+        node, pos, slots = self._descend(tokens)
+        return slots, RadixHandle(node, pos)
+
+    def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
+        """Cache `tokens` -> `slots`, consuming the caller's reference on every slot.
+
+        Slots of the part already cached are decref'd (the tree keeps its own); the rest become
+        the tree's. Returns the length of the part that was already cached.
+        """
+        if len(tokens) != len(slots):
+            raise ValueError(f"RadixCache.insert: {len(tokens)} tokens but {len(slots)} slots")
+        node, pos, _ = self._descend(tokens)
+        self._allocator.decref(slots[:pos])
+        if pos < len(tokens):
+            leaf = _Node(list(tokens[pos:]), list(slots[pos:]), node, next(self._ids))
+            leaf.last_access = self._clock
+            node.children[leaf.key[0]] = leaf
+            self._cached += len(leaf.key)
+        return pos
+
+    def _descend(self, tokens: Sequence[int]) -> tuple[_Node, int, list[int]]:
+        """Follow `tokens` down from the root: split a node the path ends inside, refresh LRU
+        times along the way; returns the deepest node, the matched length and its slots."""
         self._clock += 1
         node, pos, slots = self._root, 0, []
         while pos < len(tokens):
@@ -109,34 +132,7 @@ class RadixCache:
             child.last_access = self._clock
             slots.extend(child.slots)
             node, pos = child, pos + n
-        return slots, RadixHandle(node, pos)
-
-    def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
-        """Cache `tokens` -> `slots`, consuming the caller's reference on every slot.
-
-        Slots of the part already cached are decref'd (the tree keeps its own); the rest become
-        the tree's. Returns the length of the part that was already cached.
-        """
-        if len(tokens) != len(slots):
-            raise ValueError(f"RadixCache.insert: {len(tokens)} tokens but {len(slots)} slots")
-        self._clock += 1
-        node, pos = self._root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            n = _common_len(child.key, tokens, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = self._clock
-            node, pos = child, pos + n
-        self._allocator.decref(slots[:pos])
-        if pos < len(tokens):
-            leaf = _Node(list(tokens[pos:]), list(slots[pos:]), node, next(self._ids))
-            leaf.last_access = self._clock
-            node.children[leaf.key[0]] = leaf
-            self._cached += len(leaf.key)
-        return pos
+        return node, pos, slots
 
     def lock(self, handle: RadixHandle) -> None:
         """Protect the handle's path from eviction (counted; pair with `unlock`)."""
