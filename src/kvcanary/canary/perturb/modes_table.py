@@ -7,9 +7,11 @@ skip. The first three edit the view's own arrays and so skip on an immutable vie
 
 from __future__ import annotations
 
+from kvcanary.canary.buffers import GroupBuffers
 from kvcanary.canary.perturb.runner import ModeRunner
 from kvcanary.canary.perturb.targets import (
     HALF,
+    Entry,
     ViewArrays,
     distinguishable,
     find_group,
@@ -30,21 +32,10 @@ def req_to_token(run: ModeRunner, canary: CanaryState, view: ViewArrays, step: i
     if full is None or not view.mutable:
         run.skip(step, "immutable_view" if full is not None else "no_full_group")
         return
-    entries = verified_entries(view, full)
-    if not entries:
-        run.skip(step, "no_candidates")
+    picked = _pick_remap(run, full, view, step)
+    if picked is None:
         return
-    target = run.pick(entries)
-    original = head_record(full, target.slot)
-    replacements = [
-        e
-        for e in unique_slots(entries)
-        if e.slot != target.slot and distinguishable(head_record(full, e.slot), original)
-    ]
-    if not replacements:
-        run.skip(step, "no_distinguishable_replacement")
-        return
-    repl = run.pick(replacements)
+    target, repl = picked
     view.req_to_token[target.req_row, target.position] = repl.slot
     run.record(
         step=step, slot=repl.slot, position=target.position, group="full",
@@ -115,24 +106,35 @@ def swa_lut_tamper(run: ModeRunner, canary: CanaryState, view: ViewArrays, step:
     if swa is None or swa.lut is None:
         run.skip(step, "no_swa_group")
         return
-    entries = verified_entries(view, swa)
-    if not entries:
-        run.skip(step, "no_candidates")
+    picked = _pick_remap(run, swa, view, step)
+    if picked is None:
         return
-    target = run.pick(entries)
-    original = head_record(swa, target.slot)
-    replacements = [
-        e
-        for e in unique_slots(entries)
-        if e.slot != target.slot and distinguishable(head_record(swa, e.slot), original)
-    ]
-    if not replacements:
-        run.skip(step, "no_distinguishable_replacement")
-        return
-    repl = run.pick(replacements)
+    target, repl = picked
     swa.lut[target.full_slot] = repl.slot
     run.record(
         step=step, slot=repl.slot, position=target.position, group="swa",
         req_row=target.req_row, half=HALF, full_slot=target.full_slot,
         original_slot=target.slot,
     )  # fmt: skip
+
+
+def _pick_remap(
+    run: ModeRunner, group: GroupBuffers, view: ViewArrays, step: int
+) -> tuple[Entry, Entry] | None:
+    """A verified entry to remap and a live replacement slot whose HEAD record differs in
+    POSITION or PREV_HASH (else the remap would be undetectable by design); None after a skip."""
+    entries = verified_entries(view, group)
+    if not entries:
+        run.skip(step, "no_candidates")
+        return None
+    target = run.pick(entries)
+    original = head_record(group, target.slot)
+    replacements = [
+        e
+        for e in unique_slots(entries)
+        if e.slot != target.slot and distinguishable(head_record(group, e.slot), original)
+    ]
+    if not replacements:
+        run.skip(step, "no_distinguishable_replacement")
+        return None
+    return target, run.pick(replacements)
