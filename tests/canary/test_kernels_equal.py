@@ -159,3 +159,100 @@ def test_generator_reaches_the_interesting_cases() -> None:
 
     probe()
     assert all(v > 0 for v in seen.values()), seen
+
+
+@st.composite
+def chain_runs(draw: st.DrawFn) -> dict[str, Any]:
+    """Requests whose write slots run consecutively for hundreds of entries (the kernels' lockstep
+    and vectorized paths, across 256-entry chunks), mixed with scattered slots, -1, slot 0 and
+    chain-position gaps; the verify entries follow the chains, with a few corrupted records."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    num_slots = draw(st.integers(2, 3000))
+    free = np.arange(1, num_slots)
+    start = int(rng.integers(0, 3))
+    nreq = draw(st.integers(1, 9))
+    p_hole = draw(st.sampled_from([0.0, 0.01]))
+    slots: list[list[int]] = []
+    for _ in range(nreq):
+        n = int(rng.integers(0, 1200))
+        if rng.random() < 0.7:  # a consecutive run
+            run = [int(s) for s in free[start : start + n]]
+            start += n + int(rng.integers(0, 3))
+        else:  # scattered slots above the runs
+            run = [int(s) for s in rng.permutation(free[start:])[: n // 8]]
+            free = np.setdiff1d(free, run)
+        for k in range(len(run)):
+            if rng.random() < p_hole:
+                run[k] = int(rng.choice([-1, 0]))
+        slots.append(run)
+    lens = [len(r) for r in slots]
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    total = int(offsets[-1])
+    pos = np.concatenate([np.arange(n) + int(rng.integers(0, 50)) for n in lens]).astype(np.int64)
+    if draw(st.booleans()):
+        pos[rng.random(total) < 0.01] += 2  # chain-position violations
+    records = rng.integers(0, 2**63, size=(num_slots, 4), dtype=np.int64)
+    if draw(st.booleans()):
+        records[:] = 0
+    seeds = np.where(rng.random(nreq) < 0.5, -1, rng.integers(1, num_slots, size=nreq))
+    return {
+        "records": records,
+        "seeds": seeds.astype(np.int64),
+        "offsets": offsets,
+        "w_slots": np.array([s for r in slots for s in r], dtype=np.int64),
+        "ids": rng.integers(0, 1 << 17, size=total).astype(np.int64),
+        "positions": pos,
+        "write_assert": draw(st.integers(0, 4)) == 0,
+        "chain_position": draw(st.booleans()),
+        "corrupt": draw(st.sampled_from([0, 0, 0, 1, 5])),
+        "wrong": draw(st.sampled_from([0, 1, 1, 3])),
+        "ring_capacity": draw(st.integers(1, 40)),
+    }
+
+
+def run_chains(kernels: Any, b: dict[str, Any]) -> tuple[bytes, bytes, int]:
+    """Write the chains, corrupt a few records (the same ones for both kernels), verify them."""
+    buf = b["records"].copy().view(np.uint64)
+    ring = np.zeros((b["ring_capacity"], 8), dtype=np.int64)
+    state = np.zeros(1, dtype=np.int64)
+    src = FoldSources.empty()
+    exp = b["ids"] + (np.arange(len(b["ids"])) % 7 == 0)  # some write-assert mismatches
+    kernels.write(
+        buf, b["seeds"], b["offsets"], b["w_slots"], b["ids"], b["positions"], b["write_assert"],
+        exp, b["positions"], b["chain_position"], *src.words, src.params, src.count, 2,
+        ring.view(np.uint64), state,
+    )  # fmt: skip
+    rng = np.random.default_rng(len(b["ids"]))
+    for _ in range(b["corrupt"]):
+        buf[rng.integers(1, len(buf)), rng.integers(0, 4)] ^= np.uint64(1)
+    # Verify entries: each chain's slots in order, prev = the slot before (-1 or 0 first); 0 and -1
+    # prevs (no violation) every 97th entry; then `wrong` entries get a wrong position, token or
+    # prev. With one wrong entry it is the batch's only violation (the fast kernels only count
+    # violations in parallel, so a miss shows only when nothing else is found).
+    v_slot, v_prev, v_pos, v_tok = [], [], [], []
+    for r in range(len(b["seeds"])):
+        prev = -1 if b["seeds"][r] == -1 else 0  # a seeded chain's head is not checked
+        for i in range(int(b["offsets"][r]), int(b["offsets"][r + 1])):
+            slot = int(b["w_slots"][i])
+            if slot < 0:
+                continue
+            v_slot.append(slot)
+            v_prev.append({5: 0, 9: -1}.get(i % 97, prev))
+            v_pos.append(int(b["positions"][i]))
+            v_tok.append(-1 if i % 5 == 0 else int(b["ids"][i]))
+            prev = slot
+    for _ in range(b["wrong"] if v_slot else 0):
+        k = int(rng.integers(0, len(v_slot)))
+        field = (v_pos, v_tok, v_prev)[int(rng.integers(0, 3))]
+        field[k] = max(field[k] - 2, 0) if field is v_prev else field[k] + 1
+    kernels.verify(
+        buf, *(np.array(x, dtype=np.int64) for x in (v_slot, v_prev, v_pos, v_tok)), *src.words,
+        src.params, src.count, 8, ring.view(np.uint64), state,
+    )  # fmt: skip
+    return buf[1:].tobytes(), ring.tobytes(), int(state[0])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain_runs())
+def test_fast_and_reference_kernels_agree_on_consecutive_runs(b: dict[str, Any]) -> None:
+    assert run_chains(fast, b) == run_chains(reference, b)

@@ -8,9 +8,13 @@ afterwards by a serial pass in plan order, so the ring is deterministic.
 
 Performance (bench/kernels.py): verify prefetches record rows ahead (random slot orders are
 otherwise DRAM-latency bound) and, without real-KV sources, checks runs of consecutive slots with
-a vectorized loop and other entries four per step with branch-free code so their mix3 chains
-overlap; write interleaves up to four requests' chains per task for the same reason (each
-chain is a serial mix3 dependency).
+a vectorized loop (unit-stride row loads, not gathers) and other entries four per step with
+branch-free code so their mix3 chains overlap; write interleaves up to four requests' chains per
+task for the same reason (each chain is a serial mix3 dependency), and without real-KV sources or
+write assert advances them in lockstep, prefetching only when some chain's slots are scattered.
+Each kernel is one parallel region (a thread barrier): a barrier waits for every worker thread,
+which is slow whenever another process holds a core, so no np.zeros (numba runs it as a parallel
+loop) in a parallel function.
 """
 
 from __future__ import annotations
@@ -321,27 +325,34 @@ def _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi):  # type: ignore[no-un
 
     Rows are then contiguous and each entry's chain input is the row just before its own, so this
     loop needs no per-entry select of the chain row, no prefetch test and no slot-0 test; it is
-    branch-free and LLVM vectorizes it (mix3 in AVX-512 lanes; the row words are still gathered).
+    branch-free and LLVM vectorizes it (mix3 in AVX2/AVX-512 lanes). Two things keep its loads
+    unit-stride rather than gathers: the plan arrays are sliced to `lo:hi` and indexed by the
+    (provably non-negative) loop counter, so numba emits no negative-index wraparound; and the
+    `shape[1] == 4` test tells LLVM the row stride, so it loads the 32-byte rows whole and
+    shuffles the words apart (it cannot know a numba array's inner extent otherwise).
     Reads only rows `v_slot[lo] - 1 .. v_slot[hi - 1]`, which the caller checks are in `buf`.
     """
-    base = v_slot[lo] - lo
-    rows = buf[base - 1 + lo : base + hi]
+    if buf.shape[1] != 4:
+        return 0, 1  # not a record buffer layout this loop is written for: checked per entry
+    first = v_slot[lo]
+    rows = buf[first - 1 : first + hi - lo]
+    slots, prevs, poss, toks = v_slot[lo:hi], v_prev[lo:hi], v_pos[lo:hi], v_tok[lo:hi]
     nb = 0
     nmis = 0
     for k in range(hi - lo):
-        i = lo + k
-        p = v_prev[i]
+        p = prevs[k]
+        t = toks[k]
         h = mix3(rows[k, 2], rows[k, 0], rows[k, 1])
         exp_chain = HEAD_HASH_U64 if p == -1 else h
         ok = (
             ((p == 0) | (rows[k + 1, 2] == exp_chain))
-            & (rows[k + 1, 1] == uint64(v_pos[i]))
+            & (rows[k + 1, 1] == uint64(poss[k]))
             & (rows[k + 1, 3] == uint64(0))
-            & ((v_tok[i] == -1) | (rows[k + 1, 0] == uint64(v_tok[i])))
+            & ((t == -1) | (rows[k + 1, 0] == uint64(t)))
         )
         nb += 0 if ok else 1
-        slot = base + i
-        nmis += 0 if (v_slot[i] == slot) & ((p == 0) | (p == -1) | (p == slot - 1)) else 1
+        slot = first + k
+        nmis += 0 if (slots[k] == slot) & ((p == 0) | (p == -1) | (p == slot - 1)) else 1
     return nb, nmis
 
 
@@ -480,31 +491,198 @@ def _write_step(  # type: ignore[no-untyped-def]
     return mix3(running, uint64(tok), uint64(pos)), pos, bad
 
 
-@njit(cache=True, parallel=True)
-def write(  # type: ignore[no-untyped-def]
-    buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-    chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
+@njit(cache=True, inline="always")
+def _plain_step(  # type: ignore[no-untyped-def]
+    buf, i, running, prev_pos, do_pos, w_slots, input_ids, positions, prefetch, last,
 ):  # fmt: skip
-    """Write one serial chain per request (parallel across requests), then record rows."""
+    """`_write_step` without real-KV sources (fold 0) or write assert: returns (running, prev_pos,
+    True if the entry needs a ring row). `i` and `last` (the last entry) are unsigned, so numba
+    indexes without negative-index wraparound."""
+    if prefetch:
+        _prefetch_write(buf, w_slots[min(i + uint64(_PREFETCH_AHEAD), last)])
+    slot = w_slots[i]
+    if slot < 0:
+        return running, prev_pos, False
+    tok = input_ids[i]
+    pos = positions[i]
+    buf[slot, 0] = uint64(tok)
+    buf[slot, 1] = uint64(pos)
+    buf[slot, 2] = running
+    buf[slot, 3] = uint64(0)
+    return mix3(running, uint64(tok), uint64(pos)), pos, do_pos & (pos != prev_pos + 1)
+
+
+@njit(cache=True, inline="always")
+def _consecutive(w_slots, lo, hi):  # type: ignore[no-untyped-def]
+    """True when `w_slots[lo:hi]` are consecutive slots (the hardware streams such rows)."""
+    seg = w_slots[lo:hi]
+    ok = True
+    for k in range(seg.shape[0]):
+        ok &= seg[k] == seg[0] + k
+    return ok
+
+
+@njit(cache=True)
+def _lockstep(buf, w_slots, input_ids, positions, idx, steps, run, pp, dp, last, prefetch, track):  # type: ignore[no-untyped-def]
+    """`steps` entries of each of four lanes, one of each in turn, with no end-of-lane tests.
+
+    `idx`, `run`, `pp`, `dp` are the lanes' (unsigned) next entries, running hashes, previous
+    positions and do_pos flags. `prefetch` and `track` are constants at each call site, so each
+    call compiles to its own loop: without prefetch (the lanes' slots are consecutive) and without
+    position tracking (no lane checks chain positions) a step is just the four mix3 chains and
+    their row stores. Returns the lanes' (run, pp) and whether any entry needs a ring row.
+    """
+    i0, i1, i2, i3 = idx
+    r0, r1, r2, r3 = run
+    p0, p1, p2, p3 = pp
+    d0, d1, d2, d3 = dp
+    if not track:
+        d0 = d1 = d2 = d3 = False
+    bad = False
+    for t in range(steps):
+        j0, j1, j2, j3 = i0 + t, i1 + t, i2 + t, i3 + t
+        r0, q0, b0 = _plain_step(buf, j0, r0, p0, d0, w_slots, input_ids, positions, prefetch, last)
+        r1, q1, b1 = _plain_step(buf, j1, r1, p1, d1, w_slots, input_ids, positions, prefetch, last)
+        r2, q2, b2 = _plain_step(buf, j2, r2, p2, d2, w_slots, input_ids, positions, prefetch, last)
+        r3, q3, b3 = _plain_step(buf, j3, r3, p3, d3, w_slots, input_ids, positions, prefetch, last)
+        if track:
+            p0, p1, p2, p3 = q0, q1, q2, q3
+            bad |= b0 | b1 | b2 | b3
+    return (r0, r1, r2, r3), (p0, p1, p2, p3), bad
+
+
+@njit(cache=True, inline="always")
+def _write_tasks(nreq):  # type: ignore[no-untyped-def]
+    """Tasks for `nreq` requests: four requests' chains per task (task g owns g, g + ntasks, ...),
+    but at least one per thread while there are requests to spread."""
+    ntasks = (nreq + _LANES - 1) // _LANES
+    nthreads = _num_threads()
+    if ntasks < nthreads:
+        ntasks = min(nreq, nthreads)
+    return ntasks
+
+
+@njit(cache=True, parallel=True)
+def _chains_plain(  # type: ignore[no-untyped-def]
+    buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash, start_pos,
+):  # fmt: skip
+    """Write every request's chain without real-KV sources or write assert; returns per request
+    whether it needs ring rows (a chain-position violation).
+
+    Like `_chains_folded`, but while all four lanes of a task have entries left they advance in
+    lockstep with no end-of-lane tests (`_lockstep`), prefetching rows only when some lane's slots
+    are not consecutive and tracking positions only when some lane checks them.
+    """
     nreq = seeds.shape[0]
-    start_hash = np.empty(nreq, dtype=np.uint64)
-    start_pos = np.zeros(nreq, dtype=np.int64)
-    # Seeds are read before any record of this endpoint is written.
-    for r in range(nreq):
-        seed = seeds[r]
-        if seed >= 1:
-            start_hash[r] = mix3(buf[seed, 2], buf[seed, 0], buf[seed, 1])
-            start_pos[r] = np.int64(buf[seed, 1])
-        else:
-            start_hash[r] = HEAD_HASH_U64
-    bad = np.zeros(nreq, dtype=np.int64)
+    bad = np.empty(nreq, dtype=np.bool_)  # every request's entry is set by its task
+    ntasks = _write_tasks(nreq)
+    nw = w_slots.shape[0]
+    last = uint64(max(nw - 1, 0))
+    for g in prange(ntasks):
+        r0, r1, r2, r3 = g, g + ntasks, g + 2 * ntasks, g + 3 * ntasks
+        i0, e0, run0, pp0, dp0 = _lane(
+            r0, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i1, e1, run1, pp1, dp1 = _lane(
+            r1, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i2, e2, run2, pp2, dp2 = _lane(
+            r2, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i3, e3, run3, pp3, dp3 = _lane(
+            r3, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        steps = min(min(e0 - i0, e1 - i1), min(e2 - i2, e3 - i3))
+        b = False
+        # The shape test tells LLVM the row stride (4 words), so row stores need no multiply.
+        if steps > 0 and buf.shape[1] == 4:
+            idx = (uint64(i0), uint64(i1), uint64(i2), uint64(i3))
+            run = (run0, run1, run2, run3)
+            pp = (pp0, pp1, pp2, pp3)
+            dp = (dp0, dp1, dp2, dp3)
+            track = dp0 | dp1 | dp2 | dp3
+            streamed = (
+                _consecutive(w_slots, i0, e0)
+                & _consecutive(w_slots, i1, e1)
+                & _consecutive(w_slots, i2, e2)
+                & _consecutive(w_slots, i3, e3)
+            )
+            n = uint64(steps)
+            # One loop per (prefetch, track) pair: the flags are constants in each.
+            if streamed and not track:
+                run, pp, b = _lockstep(
+                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, False
+                )
+            elif streamed:
+                run, pp, b = _lockstep(
+                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, True
+                )
+            elif not track:
+                run, pp, b = _lockstep(
+                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, False
+                )
+            else:
+                run, pp, b = _lockstep(
+                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, True
+                )
+            run0, run1, run2, run3 = run
+            pp0, pp1, pp2, pp3 = pp
+            i0, i1, i2, i3 = i0 + steps, i1 + steps, i2 + steps, i3 + steps
+        b0 = b1 = b2 = b3 = b
+        # The lanes' remaining entries, interleaved while several lanes have some.
+        while i0 < e0 or i1 < e1 or i2 < e2 or i3 < e3:
+            if i0 < e0:
+                run0, pp0, x = _plain_step(
+                    buf, uint64(i0), run0, pp0, dp0, w_slots, input_ids, positions, True,
+                    last,
+                )  # fmt: skip
+                b0 |= x
+                i0 += 1
+            if i1 < e1:
+                run1, pp1, x = _plain_step(
+                    buf, uint64(i1), run1, pp1, dp1, w_slots, input_ids, positions, True,
+                    last,
+                )  # fmt: skip
+                b1 |= x
+                i1 += 1
+            if i2 < e2:
+                run2, pp2, x = _plain_step(
+                    buf, uint64(i2), run2, pp2, dp2, w_slots, input_ids, positions, True,
+                    last,
+                )  # fmt: skip
+                b2 |= x
+                i2 += 1
+            if i3 < e3:
+                run3, pp3, x = _plain_step(
+                    buf, uint64(i3), run3, pp3, dp3, w_slots, input_ids, positions, True,
+                    last,
+                )  # fmt: skip
+                b3 |= x
+                i3 += 1
+        # A lockstep violation is not attributed to its lane: all four replay (rows are the same).
+        bad[r0] = b0
+        if r1 < nreq:
+            bad[r1] = b1
+        if r2 < nreq:
+            bad[r2] = b2
+        if r3 < nreq:
+            bad[r3] = b3
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def _chains_folded(  # type: ignore[no-untyped-def]
+    buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+    chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+):  # fmt: skip
+    """Write every request's chain (any sources, write assert or not); returns per request
+    whether it needs ring rows."""
+    nreq = seeds.shape[0]
+    bad = np.empty(nreq, dtype=np.bool_)  # every request's entry is set by its task
     # Each task runs up to _LANES requests' chains interleaved, one entry of each in turn: the
     # chains are independent, so the CPU overlaps their mix3 latencies. Task g owns requests
     # g, g + ntasks, ... (no two tasks write one request's rows, nor one slot: distinct slots).
-    ntasks = (nreq + _LANES - 1) // _LANES
-    nthreads = _num_threads()  # type: ignore[call-arg,var-annotated]
-    if ntasks < nthreads:
-        ntasks = min(nreq, nthreads)
+    ntasks = _write_tasks(nreq)
     nw = w_slots.shape[0]
     for g in prange(ntasks):
         r0, r1, r2, r3 = g, g + ntasks, g + 2 * ntasks, g + 3 * ntasks
@@ -550,15 +728,48 @@ def write(  # type: ignore[no-untyped-def]
                 )  # fmt: skip
                 nb3 += b3
                 i3 += 1
-        bad[r0] = nb0
+        bad[r0] = nb0 != 0
         if r1 < nreq:
-            bad[r1] = nb1
+            bad[r1] = nb1 != 0
         if r2 < nreq:
-            bad[r2] = nb2
+            bad[r2] = nb2 != 0
         if r3 < nreq:
-            bad[r3] = nb3
+            bad[r3] = nb3 != 0
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def write(  # type: ignore[no-untyped-def]
+    buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+    chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
+):  # fmt: skip
+    """Write one serial chain per request (parallel across requests), then record rows."""
+    nreq = seeds.shape[0]
+    # np.empty, not np.zeros: in a parallel function numba runs np.zeros as a parallel loop, and
+    # every parallel region is a thread barrier, slow when another process holds a core.
+    start_hash = np.empty(nreq, dtype=np.uint64)
+    start_pos = np.empty(nreq, dtype=np.int64)
+    # Seeds are read before any record of this endpoint is written.
     for r in range(nreq):
-        if bad[r] == 0:
+        seed = seeds[r]
+        if seed >= 1:
+            start_hash[r] = mix3(buf[seed, 2], buf[seed, 0], buf[seed, 1])
+            start_pos[r] = np.int64(buf[seed, 1])
+        else:
+            start_hash[r] = HEAD_HASH_U64
+            start_pos[r] = 0
+    if count == 0 and not do_assert:
+        bad = _chains_plain(
+            buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash,
+            start_pos,
+        )  # fmt: skip
+    else:
+        bad = _chains_folded(
+            buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+            chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+        )  # fmt: skip
+    for r in range(nreq):
+        if not bad[r]:
             continue
         # Replay the chain (no writes) to record this request's rows in entry order.
         running = start_hash[r]
