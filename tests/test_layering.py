@@ -13,8 +13,8 @@ ALLOWED = {
     "canary": {"contract", "canary"},
     "engine": {"contract", "engine"},
     "adapters": {"contract", "canary", "adapters"},
-    "cli": {"contract", "canary", "engine", "adapters", "app"},
-    "app": {"contract", "canary", "engine", "app"},
+    "cli": {"contract", "canary", "engine", "adapters", "app", "cli"},
+    "app": {"contract", "canary", "engine", "adapters", "app"},
     "__init__": set(),
 }
 THIRD_PARTY_FORBIDDEN = {"contract": {"numpy", "numba", "typer", "rich", "vllm"}}

