@@ -164,9 +164,8 @@ def _plain(engine: Any, requests: int, seed: int, max_tokens: int, json_path: Pa
     try:
         run = engine.run(workload.requests(), seed=seed, progress=True)
     except CanaryViolationError as exc:  # raise mode: vLLM never returned that step's tokens
-        err_console.print(str(exc).splitlines()[0], markup=False)
-        err_console.print(f"kv-canary: stopped by raise mode; replay with --seed {seed}",
-                          markup=False)  # fmt: skip
+        typer.echo(str(exc).splitlines()[0], err=True)
+        typer.echo(f"kv-canary: stopped by raise mode; replay with --seed {seed}", err=True)
         raise typer.Exit(EXIT_STOPPED) from None
     table = Table(title="kvcanary vllm", show_header=True)
     table.add_column("figure")
@@ -177,9 +176,9 @@ def _plain(engine: Any, requests: int, seed: int, max_tokens: int, json_path: Pa
     if json_path is not None:
         json_path.write_text(json.dumps(run.figures, indent=2) + "\n")
     if run.figures["violations"]:
-        err_console.print(
+        typer.echo(
             f"kv-canary: {run.figures['violations']} violations; replay with --seed {seed}",
-            markup=False,
+            err=True,
         )
         raise typer.Exit(EXIT_VIOLATIONS)
 
