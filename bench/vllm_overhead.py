@@ -6,7 +6,7 @@ sweep every 4 steps + token checks) and off (`STATE.bypass`: the patched runner 
 canary call), `--rounds` times, the order flipping every round so drift hits both arms alike.
 vLLM's prefix cache is dropped before every run so both arms compute the same tokens.
 
-* prefill: `--prefill-requests` (16) unique `--prompt-len` (256) token prompts, 1 output token
+* prefill: `--prefill-requests` (48) unique `--prompt-len` (256) token prompts, 1 output token
   each: steps are prefill chunks of up to 512 tokens.
 * decode: `--decode-requests` (8) unique 32-token prompts, `--decode-tokens` (96) output tokens
   each: almost every step is one decode token per running request.
@@ -15,7 +15,7 @@ Printed per workload: median wall time per run for each arm, the overhead
 `(on - off) / off` of the medians and of the paired runs, and the canary's own time (timed
 inside the adapter) as a share of the `on` runs.
 
-    python bench/vllm_overhead.py [--rounds 5] [--json PATH]
+    python bench/vllm_overhead.py [--rounds 7] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import sys
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--prefill-requests", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--prefill-requests", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode-requests", type=int, default=8)
     ap.add_argument("--decode-tokens", type=int, default=96)
