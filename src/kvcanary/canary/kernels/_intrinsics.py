@@ -1,0 +1,110 @@
+"""Shared numba building blocks of the fast kernels: splitmix64 / mix3, the real-KV fold, the
+row-prefetch intrinsics and the fill-once ring append (SPEC §4, §5).
+
+Everything here is `inline="always"` (or an intrinsic), so the kernels in `fast_plan`,
+`fast_verify`, `fast_write_lanes` and `fast_write` compile it into their own loops.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types, uint64
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_C1 = uint64(0xBF58476D1CE4E5B9)
+_C2 = uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = uint64(30), uint64(27), uint64(31)
+HEAD_HASH_U64 = uint64(0xDE7FAE23A9A1B716)
+_PREFETCH_AHEAD = 16  # entries: random rows are requested this far ahead of their use
+
+
+def _make_prefetch(rw: int):  # type: ignore[no-untyped-def]
+    """An intrinsic `(words, row)` that prefetches the first and last word of `words[row]`.
+
+    A hint only: it never faults (any `row`, -1 included, is fine) and changes no result. Rows are
+    32 bytes and need not be 32-byte aligned, so both ends are requested.
+    """
+
+    @intrinsic
+    def prefetch_row(typingctx, words, row):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            row = context.cast(builder, args[1], signature.args[1], types.intp)
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            for col in (0, 3):
+                ptr = cgutils.get_item_pointer(
+                    context, builder, aryty, ary, [row, context.get_constant(types.intp, col)],
+                    wraparound=False, boundscheck=False,
+                )  # fmt: skip
+                builder.call(fn, [builder.bitcast(ptr, i8p), i32(rw), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(words, row), codegen
+
+    return prefetch_row
+
+
+_prefetch_read = _make_prefetch(0)
+_prefetch_write = _make_prefetch(1)
+
+
+@njit(cache=True, inline="always")
+def splitmix64(x):  # type: ignore[no-untyped-def]
+    x ^= x >> _S30
+    x *= _C1
+    x ^= x >> _S27
+    x *= _C2
+    x ^= x >> _S31
+    return x
+
+
+@njit(cache=True, inline="always")
+def mix3(a, b, c):  # type: ignore[no-untyped-def]
+    h = splitmix64(a)
+    h = splitmix64(h ^ b)
+    return splitmix64(h ^ c)
+
+
+@njit(cache=True, inline="always")
+def _fold_one(words, page_size, per_token, nread, slot):  # type: ignore[no-untyped-def]
+    row = slot // page_size
+    col = (slot % page_size) * per_token
+    acc = uint64(0)
+    for w in range(nread):
+        acc = splitmix64(acc ^ words[row, col + w])
+    return acc
+
+
+@njit(cache=True, inline="always")
+def fold_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-untyped-def]
+    acc = uint64(0)
+    if count > 0:
+        acc = splitmix64(acc ^ _fold_one(s0, params[0, 0], params[0, 1], params[0, 2], slot))
+    if count > 1:
+        acc = splitmix64(acc ^ _fold_one(s1, params[1, 0], params[1, 1], params[1, 2], slot))
+    if count > 2:
+        acc = splitmix64(acc ^ _fold_one(s2, params[2, 0], params[2, 1], params[2, 2], slot))
+    if count > 3:
+        acc = splitmix64(acc ^ _fold_one(s3, params[3, 0], params[3, 1], params[3, 2], slot))
+    return acc
+
+
+@njit(cache=True, inline="always")
+def _record(ring, state, c0, c1, c2, c3, c4, c5, c6, c7):  # type: ignore[no-untyped-def]
+    """Fill-once ring append: take seq = write index, bump it, store only below capacity."""
+    seq = state[0]
+    state[0] = seq + 1
+    if seq < ring.shape[0]:
+        ring[seq, 0] = uint64(c0)
+        ring[seq, 1] = uint64(c1)
+        ring[seq, 2] = uint64(c2)
+        ring[seq, 3] = uint64(c3)
+        ring[seq, 4] = uint64(c4)
+        ring[seq, 5] = uint64(c5)
+        ring[seq, 6] = uint64(c6)
+        ring[seq, 7] = uint64(c7)

@@ -1,0 +1,232 @@
+"""Numba `verify`: check every verify entry against the record buffer, in parallel across
+entries, then record violations in plan order by a serial pass (SPEC §5).
+
+Performance (bench/kernels.py): verify prefetches record rows ahead (random slot orders are
+otherwise DRAM-latency bound) and, without real-KV sources, checks runs of consecutive slots with
+a vectorized loop (unit-stride row loads, not gathers) and other entries four per step with
+branch-free code so their mix3 chains overlap.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from numba import njit, prange, uint64
+
+from kvcanary.canary.kernels._intrinsics import (
+    _PREFETCH_AHEAD,
+    HEAD_HASH_U64,
+    _prefetch_read,
+    _record,
+    fold_sources,
+    mix3,
+)
+
+# `verify` is parallel=True only so that loading it from numba's cache starts the thread pool its
+# parallel helpers need; numba warns that it found nothing to parallelise in its own body.
+warnings.filterwarnings(
+    "ignore", message=r"(?s).*'parallel=True' was specified but no transformation", category=Warning
+)
+
+_CHUNK = 256  # verify entries per chunk (a consecutive chunk is checked vectorized)
+
+
+@njit(cache=True, inline="always")
+def _verify_one(buf, slot, prev, exp_pos, exp_tok, s0, s1, s2, s3, params, count):  # type: ignore[no-untyped-def]
+    """Returns (bits, expected_chain) for one verify entry (slot != 0)."""
+    reachable = prev != 0
+    if not reachable:
+        exp_chain = buf[slot, 2]
+    elif prev == -1:
+        exp_chain = HEAD_HASH_U64
+    else:
+        exp_chain = mix3(buf[prev, 2], buf[prev, 0], buf[prev, 1])
+    bits = 0
+    if reachable and buf[slot, 2] != exp_chain:
+        bits |= 1
+    if buf[slot, 1] != uint64(exp_pos):
+        bits |= 2
+    if buf[slot, 3] != fold_sources(s0, s1, s2, s3, params, count, slot):
+        bits |= 4
+    if exp_tok != -1 and buf[slot, 0] != uint64(exp_tok):
+        bits |= 32
+    return bits, exp_chain
+
+
+@njit(cache=True, inline="always")
+def _prefetch_entry(buf, slots, j, n):  # type: ignore[no-untyped-def]
+    """Prefetch row `slots[j]` unless it follows `slots[j - 1]` (the hardware streams those).
+
+    A verify entry's `prev` is the previous entry's slot along a chain, so it is not prefetched.
+    """
+    if j < n:
+        s = slots[j]
+        if s - slots[j - 1] != 1:
+            _prefetch_read(buf, s)
+
+
+@njit(cache=True, inline="always")
+def _entry_ok(buf, slot, prev, exp_pos, exp_tok, fold):  # type: ignore[no-untyped-def]
+    """True when verify entry (slot != 0) has no violation bit; see `_verify_one`."""
+    chain = buf[slot, 2]
+    if prev == 0:
+        chain_ok = True
+    elif prev == -1:
+        chain_ok = chain == HEAD_HASH_U64
+    else:
+        chain_ok = chain == mix3(buf[prev, 2], buf[prev, 0], buf[prev, 1])
+    return (
+        chain_ok
+        & (buf[slot, 1] == uint64(exp_pos))
+        & (buf[slot, 3] == fold)
+        & ((exp_tok == -1) | (buf[slot, 0] == uint64(exp_tok)))
+    )
+
+
+@njit(cache=True, inline="always")
+def _chain_input(buf, slot, prev):  # type: ignore[no-untyped-def]
+    """The row whose hash an entry's chain is checked against: `prev`, or (when prev is 0 or -1
+    and the hash is unused) the entry's own row, so that loads and mix3 need no branch."""
+    return slot if (prev == 0) | (prev == -1) else prev
+
+
+@njit(cache=True, inline="always")
+def _plain_bad(buf, slot, prev, exp_pos, exp_tok, hashed):  # type: ignore[no-untyped-def]
+    """1 when entry (fold 0) has a violation bit, else 0; slot 0 is never bad. `hashed` is
+    mix3 of row `_chain_input(buf, slot, prev)`. Same bits as `_verify_one`, without branches."""
+    exp_chain = HEAD_HASH_U64 if prev == -1 else hashed
+    ok = (
+        ((prev == 0) | (buf[slot, 2] == exp_chain))
+        & (buf[slot, 1] == uint64(exp_pos))
+        & (buf[slot, 3] == uint64(0))
+        & ((exp_tok == -1) | (buf[slot, 0] == uint64(exp_tok)))
+    )
+    return 0 if ok | (slot == 0) else 1
+
+
+@njit(cache=True, inline="always")
+def _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi):  # type: ignore[no-untyped-def]
+    """(bad entries, 0) of entries `lo:hi` when their slots run consecutively from `v_slot[lo]`
+    and each prev is 0, -1 or the slot before; (-, > 0) when that assumption fails somewhere.
+
+    Rows are then contiguous and each entry's chain input is the row just before its own, so this
+    loop needs no per-entry select of the chain row, no prefetch test and no slot-0 test; it is
+    branch-free and LLVM vectorizes it (mix3 in AVX2/AVX-512 lanes). Two things keep its loads
+    unit-stride rather than gathers: the plan arrays are sliced to `lo:hi` and indexed by the
+    (provably non-negative) loop counter, so numba emits no negative-index wraparound; and the
+    `shape[1] == 4` test tells LLVM the row stride, so it loads the 32-byte rows whole and
+    shuffles the words apart (it cannot know a numba array's inner extent otherwise).
+    Reads only rows `v_slot[lo] - 1 .. v_slot[hi - 1]`, which the caller checks are in `buf`.
+    """
+    if buf.shape[1] != 4:
+        return 0, 1  # not a record buffer layout this loop is written for: checked per entry
+    first = v_slot[lo]
+    rows = buf[first - 1 : first + hi - lo]
+    slots, prevs, poss, toks = v_slot[lo:hi], v_prev[lo:hi], v_pos[lo:hi], v_tok[lo:hi]
+    nb = 0
+    nmis = 0
+    for k in range(hi - lo):
+        p = prevs[k]
+        t = toks[k]
+        h = mix3(rows[k, 2], rows[k, 0], rows[k, 1])
+        exp_chain = HEAD_HASH_U64 if p == -1 else h
+        ok = (
+            ((p == 0) | (rows[k + 1, 2] == exp_chain))
+            & (rows[k + 1, 1] == uint64(poss[k]))
+            & (rows[k + 1, 3] == uint64(0))
+            & ((t == -1) | (rows[k + 1, 0] == uint64(t)))
+        )
+        nb += 0 if ok else 1
+        slot = first + k
+        nmis += 0 if (slots[k] == slot) & ((p == 0) | (p == -1) | (p == slot - 1)) else 1
+    return nb, nmis
+
+
+@njit(cache=True, parallel=True)
+def _count_bad_plain(buf, v_slot, v_prev, v_pos, v_tok):  # type: ignore[no-untyped-def]
+    """Entries with a violation, no real-KV sources (fold 0).
+
+    Chunks of `_CHUNK` entries. A chunk whose slots run consecutively (chains over contiguous
+    rows) goes through `_plain_run`, vectorized. Any other chunk is checked four entries at a
+    time, prefetching rows ahead: their four mix3 chains are independent straight-line code, so
+    the CPU overlaps them (one mix3 alone is a ~40-cycle dependency chain).
+    """
+    n = v_slot.shape[0]
+    nchunks = (n + _CHUNK - 1) // _CHUNK
+    bad = 0
+    for c in prange(nchunks):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, n)
+        first = v_slot[lo]
+        last = v_slot[hi - 1]
+        nb = 0
+        nmis = 1
+        if (first >= 1) & (last - first == hi - 1 - lo) & (last < buf.shape[0]):
+            nb, nmis = _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi)
+        if nmis != 0:
+            nb = 0
+            i = lo
+            while i + 4 <= hi:
+                for k in range(4):
+                    _prefetch_entry(buf, v_slot, i + k + _PREFETCH_AHEAD, n)
+                a0, a1, a2, a3 = v_slot[i], v_slot[i + 1], v_slot[i + 2], v_slot[i + 3]
+                p0, p1, p2, p3 = v_prev[i], v_prev[i + 1], v_prev[i + 2], v_prev[i + 3]
+                q0, q1 = _chain_input(buf, a0, p0), _chain_input(buf, a1, p1)
+                q2, q3 = _chain_input(buf, a2, p2), _chain_input(buf, a3, p3)
+                h0 = mix3(buf[q0, 2], buf[q0, 0], buf[q0, 1])
+                h1 = mix3(buf[q1, 2], buf[q1, 0], buf[q1, 1])
+                h2 = mix3(buf[q2, 2], buf[q2, 0], buf[q2, 1])
+                h3 = mix3(buf[q3, 2], buf[q3, 0], buf[q3, 1])
+                nb += (
+                    _plain_bad(buf, a0, p0, v_pos[i], v_tok[i], h0)
+                    + _plain_bad(buf, a1, p1, v_pos[i + 1], v_tok[i + 1], h1)
+                    + _plain_bad(buf, a2, p2, v_pos[i + 2], v_tok[i + 2], h2)
+                    + _plain_bad(buf, a3, p3, v_pos[i + 3], v_tok[i + 3], h3)
+                )
+                i += 4
+            while i < hi:
+                slot = v_slot[i]
+                if slot != 0 and not _entry_ok(buf, slot, v_prev[i], v_pos[i], v_tok[i], uint64(0)):
+                    nb += 1
+                i += 1
+        bad += nb
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def _count_bad_folded(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count):  # type: ignore[no-untyped-def]
+    """Entries with a violation, folding `count` real-KV sources."""
+    n = v_slot.shape[0]
+    bad = 0
+    for i in prange(n):
+        _prefetch_entry(buf, v_slot, i + _PREFETCH_AHEAD, n)
+        slot = v_slot[i]
+        if slot != 0:
+            fold = fold_sources(s0, s1, s2, s3, params, count, slot)
+            if not _entry_ok(buf, slot, v_prev[i], v_pos[i], v_tok[i], fold):
+                bad += 1
+    return bad
+
+
+@njit(cache=True, parallel=True)  # parallel: loading it from the cache starts numba's threads
+def verify(  # type: ignore[no-untyped-def]
+    buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, tag, ring, state,
+):  # fmt: skip
+    """Verify every entry against `buf` (read-only); record violations in plan order."""
+    n = v_slot.shape[0]
+    if count == 0:
+        bad = _count_bad_plain(buf, v_slot, v_prev, v_pos, v_tok)
+    else:
+        bad = _count_bad_folded(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count)
+    if bad == 0:
+        return
+    for i in range(n):
+        slot = v_slot[i]
+        if slot == 0:
+            continue
+        bits, exp_chain = _verify_one(
+            buf, slot, v_prev[i], v_pos[i], v_tok[i], s0, s1, s2, s3, params, count
+        )
+        if bits != 0:
+            rec = buf[slot]
+            _record(ring, state, tag, slot, rec[1], rec[0], v_tok[i], rec[2], exp_chain, bits)

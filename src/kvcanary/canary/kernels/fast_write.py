@@ -1,0 +1,274 @@
+"""Numba `write`: one serial chain per request, parallel across requests, then record rows by a
+serial replay in plan order (SPEC §5).
+
+Performance (bench/kernels.py): write interleaves up to four requests' chains per task (each
+chain is a serial mix3 dependency, so the CPU overlaps them), and without real-KV sources or
+write assert advances them in lockstep, prefetching only when some chain's slots are scattered.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, uint64
+
+from kvcanary.canary.kernels._intrinsics import HEAD_HASH_U64, _record, mix3
+from kvcanary.canary.kernels.fast_write_lanes import (
+    _CHAIN_POSITION_FLAG,
+    _consecutive,
+    _lane,
+    _lockstep,
+    _plain_step,
+    _write_bits,
+    _write_step,
+)
+
+_LANES = 4  # independent request chains interleaved per write task (hides mix3 latency)
+
+try:  # numba's intrinsic form: a cacheable call (numba.get_num_threads is not, in njit code)
+    from numba.np.ufunc.parallel import _iget_num_threads as _num_threads
+except ImportError:  # pragma: no cover - other numba versions
+
+    @njit(cache=True)
+    def _num_threads():  # type: ignore[no-untyped-def]
+        return 8
+
+
+@njit(cache=True, inline="always")
+def _write_tasks(nreq):  # type: ignore[no-untyped-def]
+    """Tasks for `nreq` requests: four requests' chains per task (task g owns g, g + ntasks, ...),
+    but at least one per thread while there are requests to spread."""
+    ntasks = (nreq + _LANES - 1) // _LANES
+    nthreads = _num_threads()
+    if ntasks < nthreads:
+        ntasks = min(nreq, nthreads)
+    return ntasks
+
+
+@njit(cache=True, parallel=True)
+def _chains_plain(  # type: ignore[no-untyped-def]
+    buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash, start_pos,
+):  # fmt: skip
+    """Write every request's chain without real-KV sources or write assert; returns per request
+    whether it needs ring rows (a chain-position violation).
+
+    Like `_chains_folded`, but while all four lanes of a task have entries left they advance in
+    lockstep with no end-of-lane tests (`_lockstep`), prefetching rows only when some lane's slots
+    are not consecutive and tracking positions only when some lane checks them.
+    """
+    nreq = seeds.shape[0]
+    bad = np.empty(nreq, dtype=np.bool_)  # every request's entry is set by its task
+    ntasks = _write_tasks(nreq)
+    nw = w_slots.shape[0]
+    last = uint64(max(nw - 1, 0))
+    for g in prange(ntasks):
+        r0, r1, r2, r3 = g, g + ntasks, g + 2 * ntasks, g + 3 * ntasks
+        i0, e0, run0, pp0, dp0 = _lane(
+            r0, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i1, e1, run1, pp1, dp1 = _lane(
+            r1, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i2, e2, run2, pp2, dp2 = _lane(
+            r2, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i3, e3, run3, pp3, dp3 = _lane(
+            r3, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        steps = min(min(e0 - i0, e1 - i1), min(e2 - i2, e3 - i3))
+        b = False
+        # The shape test tells LLVM the row stride (4 words), so row stores need no multiply.
+        if steps > 0 and buf.shape[1] == 4:
+            idx = (uint64(i0), uint64(i1), uint64(i2), uint64(i3))
+            run = (run0, run1, run2, run3)
+            pp = (pp0, pp1, pp2, pp3)
+            dp = (dp0, dp1, dp2, dp3)
+            track = dp0 | dp1 | dp2 | dp3
+            streamed = (
+                _consecutive(w_slots, i0, e0)
+                & _consecutive(w_slots, i1, e1)
+                & _consecutive(w_slots, i2, e2)
+                & _consecutive(w_slots, i3, e3)
+            )
+            n = uint64(steps)
+            # One loop per (prefetch, track) pair: the flags are constants in each.
+            if streamed and not track:
+                run, pp, b = _lockstep(
+                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, False
+                )
+            elif streamed:
+                run, pp, b = _lockstep(
+                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, True
+                )
+            elif not track:
+                run, pp, b = _lockstep(
+                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, False
+                )
+            else:
+                run, pp, b = _lockstep(
+                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, True
+                )
+            run0, run1, run2, run3 = run
+            pp0, pp1, pp2, pp3 = pp
+            i0, i1, i2, i3 = i0 + steps, i1 + steps, i2 + steps, i3 + steps
+        b0 = b1 = b2 = b3 = b
+        # The lanes' remaining entries, interleaved while several lanes have some.
+        while i0 < e0 or i1 < e1 or i2 < e2 or i3 < e3:
+            if i0 < e0:
+                run0, pp0, x = _plain_step(
+                    buf, uint64(i0), run0, pp0, dp0, w_slots, input_ids, positions, True,
+                    last,
+                )  # fmt: skip
+                b0 |= x
+                i0 += 1
+            if i1 < e1:
+                run1, pp1, x = _plain_step(
+                    buf, uint64(i1), run1, pp1, dp1, w_slots, input_ids, positions, True,
+                    last,
+                )  # fmt: skip
+                b1 |= x
+                i1 += 1
+            if i2 < e2:
+                run2, pp2, x = _plain_step(
+                    buf, uint64(i2), run2, pp2, dp2, w_slots, input_ids, positions, True,
+                    last,
+                )  # fmt: skip
+                b2 |= x
+                i2 += 1
+            if i3 < e3:
+                run3, pp3, x = _plain_step(
+                    buf, uint64(i3), run3, pp3, dp3, w_slots, input_ids, positions, True,
+                    last,
+                )  # fmt: skip
+                b3 |= x
+                i3 += 1
+        # A lockstep violation is not attributed to its lane: all four replay (rows are the same).
+        bad[r0] = b0
+        if r1 < nreq:
+            bad[r1] = b1
+        if r2 < nreq:
+            bad[r2] = b2
+        if r3 < nreq:
+            bad[r3] = b3
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def _chains_folded(  # type: ignore[no-untyped-def]
+    buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+    chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+):  # fmt: skip
+    """Write every request's chain (any sources, write assert or not); returns per request
+    whether it needs ring rows."""
+    nreq = seeds.shape[0]
+    bad = np.empty(nreq, dtype=np.bool_)  # every request's entry is set by its task
+    # Each task runs up to _LANES requests' chains interleaved, one entry of each in turn: the
+    # chains are independent, so the CPU overlaps their mix3 latencies. Task g owns requests
+    # g, g + ntasks, ... (no two tasks write one request's rows, nor one slot: distinct slots).
+    ntasks = _write_tasks(nreq)
+    nw = w_slots.shape[0]
+    for g in prange(ntasks):
+        r0, r1, r2, r3 = g, g + ntasks, g + 2 * ntasks, g + 3 * ntasks
+        i0, e0, run0, pp0, dp0 = _lane(
+            r0, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i1, e1, run1, pp1, dp1 = _lane(
+            r1, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i2, e2, run2, pp2, dp2 = _lane(
+            r2, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        i3, e3, run3, pp3, dp3 = _lane(
+            r3, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        nb0 = nb1 = nb2 = nb3 = 0
+        while i0 < e0 or i1 < e1 or i2 < e2 or i3 < e3:
+            if i0 < e0:
+                run0, pp0, b0 = _write_step(
+                    buf, i0, nw, run0, pp0, dp0, w_slots, input_ids, positions, do_assert,
+                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+                )  # fmt: skip
+                nb0 += b0
+                i0 += 1
+            if i1 < e1:
+                run1, pp1, b1 = _write_step(
+                    buf, i1, nw, run1, pp1, dp1, w_slots, input_ids, positions, do_assert,
+                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+                )  # fmt: skip
+                nb1 += b1
+                i1 += 1
+            if i2 < e2:
+                run2, pp2, b2 = _write_step(
+                    buf, i2, nw, run2, pp2, dp2, w_slots, input_ids, positions, do_assert,
+                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+                )  # fmt: skip
+                nb2 += b2
+                i2 += 1
+            if i3 < e3:
+                run3, pp3, b3 = _write_step(
+                    buf, i3, nw, run3, pp3, dp3, w_slots, input_ids, positions, do_assert,
+                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+                )  # fmt: skip
+                nb3 += b3
+                i3 += 1
+        bad[r0] = nb0 != 0
+        if r1 < nreq:
+            bad[r1] = nb1 != 0
+        if r2 < nreq:
+            bad[r2] = nb2 != 0
+        if r3 < nreq:
+            bad[r3] = nb3 != 0
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def write(  # type: ignore[no-untyped-def]
+    buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+    chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
+):  # fmt: skip
+    """Write one serial chain per request (parallel across requests), then record rows."""
+    nreq = seeds.shape[0]
+    # np.empty, not np.zeros: in a parallel function numba runs np.zeros as a parallel loop, and
+    # every parallel region is a thread barrier, slow when another process holds a core.
+    start_hash = np.empty(nreq, dtype=np.uint64)
+    start_pos = np.empty(nreq, dtype=np.int64)
+    # Seeds are read before any record of this endpoint is written.
+    for r in range(nreq):
+        seed = seeds[r]
+        if seed >= 1:
+            start_hash[r] = mix3(buf[seed, 2], buf[seed, 0], buf[seed, 1])
+            start_pos[r] = np.int64(buf[seed, 1])
+        else:
+            start_hash[r] = HEAD_HASH_U64
+            start_pos[r] = 0
+    if count == 0 and not do_assert:
+        bad = _chains_plain(
+            buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash,
+            start_pos,
+        )  # fmt: skip
+    else:
+        bad = _chains_folded(
+            buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+            chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+        )  # fmt: skip
+    for r in range(nreq):
+        if not bad[r]:
+            continue
+        # Replay the chain (no writes) to record this request's rows in entry order.
+        running = start_hash[r]
+        do_pos = chain_position and seeds[r] >= 1
+        prev_pos = start_pos[r]
+        for i in range(req_offsets[r], req_offsets[r + 1]):
+            slot = w_slots[i]
+            if slot < 0:
+                continue
+            tok = input_ids[i]
+            pos = positions[i]
+            bits = _write_bits(tok, pos, i, do_assert, exp_tok, exp_pos, do_pos, prev_pos)
+            if bits & 24:
+                _record(
+                    ring, state, tag, slot, pos, tok, exp_tok[i], running, exp_pos[i], bits & 24
+                )
+            if bits & _CHAIN_POSITION_FLAG:
+                _record(ring, state, tag, slot, pos, tok, tok, running, prev_pos + 1, 16)
+            prev_pos = pos
+            running = mix3(running, uint64(tok), uint64(pos))

@@ -1,0 +1,126 @@
+"""Per-entry steps of `fast_write`'s request chains: one entry's row write (`_write_step`,
+`_plain_step`), a lane's start (`_lane`), its violation bits (`_write_bits`) and four lanes
+advanced in lockstep (`_lockstep`).
+
+Each chain is a serial mix3 dependency, so `fast_write` interleaves four lanes per task and the
+CPU overlaps their mix3 latencies; rows are prefetched `_PREFETCH_AHEAD` entries ahead only when
+the slots are scattered (the hardware streams consecutive rows).
+"""
+
+from __future__ import annotations
+
+from numba import njit, uint64
+
+from kvcanary.canary.kernels._intrinsics import (
+    _PREFETCH_AHEAD,
+    _prefetch_write,
+    fold_sources,
+    mix3,
+)
+
+_CHAIN_POSITION_FLAG = 64  # internal: the chain-position row of SPEC §5.2 (reported as bit 16)
+
+
+@njit(cache=True, inline="always")
+def _write_bits(tok, pos, i, do_assert, exp_tok, exp_pos, do_pos, prev_pos):  # type: ignore[no-untyped-def]
+    bits = 0
+    if do_assert:
+        if tok != exp_tok[i]:
+            bits |= 8
+        if pos != exp_pos[i]:
+            bits |= 16
+    if do_pos and pos != prev_pos + 1:
+        bits |= _CHAIN_POSITION_FLAG
+    return bits
+
+
+@njit(cache=True, inline="always")
+def _lane(r, nreq, req_offsets, start_hash, start_pos, seeds, chain_position):  # type: ignore[no-untyped-def]
+    """(first entry, end entry, running hash, previous position, do_pos) of request `r`'s lane."""
+    if r >= nreq:
+        return 0, 0, uint64(0), 0, False
+    do_pos = chain_position and seeds[r] >= 1
+    return req_offsets[r], req_offsets[r + 1], start_hash[r], start_pos[r], do_pos
+
+
+@njit(cache=True, inline="always")
+def _write_step(  # type: ignore[no-untyped-def]
+    buf, i, nw, running, prev_pos, do_pos, w_slots, input_ids, positions, do_assert, exp_tok,
+    exp_pos, s0, s1, s2, s3, params, count,
+):  # fmt: skip
+    """Write entry `i` of a chain; returns (running, prev_pos, 1 if it needs a ring row else 0)."""
+    if i + _PREFETCH_AHEAD < nw:
+        _prefetch_write(buf, w_slots[i + _PREFETCH_AHEAD])
+    slot = w_slots[i]
+    if slot < 0:
+        return running, prev_pos, 0
+    tok = input_ids[i]
+    pos = positions[i]
+    bad = 0
+    if _write_bits(tok, pos, i, do_assert, exp_tok, exp_pos, do_pos, prev_pos) != 0:
+        bad = 1
+    buf[slot, 0] = uint64(tok)
+    buf[slot, 1] = uint64(pos)
+    buf[slot, 2] = running
+    buf[slot, 3] = fold_sources(s0, s1, s2, s3, params, count, slot)
+    return mix3(running, uint64(tok), uint64(pos)), pos, bad
+
+
+@njit(cache=True, inline="always")
+def _plain_step(  # type: ignore[no-untyped-def]
+    buf, i, running, prev_pos, do_pos, w_slots, input_ids, positions, prefetch, last,
+):  # fmt: skip
+    """`_write_step` without real-KV sources (fold 0) or write assert: returns (running, prev_pos,
+    True if the entry needs a ring row). `i` and `last` (the last entry) are unsigned, so numba
+    indexes without negative-index wraparound."""
+    if prefetch:
+        _prefetch_write(buf, w_slots[min(i + uint64(_PREFETCH_AHEAD), last)])
+    slot = w_slots[i]
+    if slot < 0:
+        return running, prev_pos, False
+    tok = input_ids[i]
+    pos = positions[i]
+    buf[slot, 0] = uint64(tok)
+    buf[slot, 1] = uint64(pos)
+    buf[slot, 2] = running
+    buf[slot, 3] = uint64(0)
+    return mix3(running, uint64(tok), uint64(pos)), pos, do_pos & (pos != prev_pos + 1)
+
+
+@njit(cache=True, inline="always")
+def _consecutive(w_slots, lo, hi):  # type: ignore[no-untyped-def]
+    """True when `w_slots[lo:hi]` are consecutive slots (the hardware streams such rows)."""
+    seg = w_slots[lo:hi]
+    ok = True
+    for k in range(seg.shape[0]):
+        ok &= seg[k] == seg[0] + k
+    return ok
+
+
+@njit(cache=True)
+def _lockstep(buf, w_slots, input_ids, positions, idx, steps, run, pp, dp, last, prefetch, track):  # type: ignore[no-untyped-def]
+    """`steps` entries of each of four lanes, one of each in turn, with no end-of-lane tests.
+
+    `idx`, `run`, `pp`, `dp` are the lanes' (unsigned) next entries, running hashes, previous
+    positions and do_pos flags. `prefetch` and `track` are constants at each call site, so each
+    call compiles to its own loop: without prefetch (the lanes' slots are consecutive) and without
+    position tracking (no lane checks chain positions) a step is just the four mix3 chains and
+    their row stores. Returns the lanes' (run, pp) and whether any entry needs a ring row.
+    """
+    i0, i1, i2, i3 = idx
+    r0, r1, r2, r3 = run
+    p0, p1, p2, p3 = pp
+    d0, d1, d2, d3 = dp
+    if not track:
+        d0 = d1 = d2 = d3 = False
+    bad = False
+    for t in range(steps):
+        j0, j1, j2, j3 = i0 + t, i1 + t, i2 + t, i3 + t
+        r0, q0, b0 = _plain_step(buf, j0, r0, p0, d0, w_slots, input_ids, positions, prefetch, last)
+        r1, q1, b1 = _plain_step(buf, j1, r1, p1, d1, w_slots, input_ids, positions, prefetch, last)
+        r2, q2, b2 = _plain_step(buf, j2, r2, p2, d2, w_slots, input_ids, positions, prefetch, last)
+        r3, q3, b3 = _plain_step(buf, j3, r3, p3, d3, w_slots, input_ids, positions, prefetch, last)
+        if track:
+            p0, p1, p2, p3 = q0, q1, q2, q3
+            bad |= b0 | b1 | b2 | b3
+    return (r0, r1, r2, r3), (p0, p1, p2, p3), bad
