@@ -6,7 +6,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -140,23 +140,32 @@ def run(
             observer=observer,
         )
     observer.close()
-    table = Table(title="kvcanary run", show_header=True)
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for key, value in summary.figures.items():
-        table.add_row(key, str(value))
-    Console().print(table)
-    if json_path is not None:
-        json_path.write_text(json.dumps(summary.figures, indent=2) + "\n")
+    print_summary("kvcanary run", summary.figures, json_path)
     if summary.stopped_by_raise:
         err_console.print(
             "kv-canary: stopped by raise mode; replay with --seed", seed, markup=False
         )
         raise typer.Exit(EXIT_STOPPED)
-    if summary.figures["violations"]:
-        err_console.print(
-            f"kv-canary: {summary.figures['violations']} violations; replay with --seed {seed}",
-            markup=False,
+    exit_on_violations(summary.figures, seed)
+
+
+def print_summary(title: str, figures: dict[str, Any], json_path: Path | None) -> None:
+    """The summary table on stdout, and the same figures as JSON when asked."""
+    table = Table(title=title, show_header=True)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        table.add_row(key, str(value))
+    Console().print(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def exit_on_violations(figures: dict[str, Any], seed: int) -> None:
+    """Exit 1 with the replay hint when the run reported violations (log mode)."""
+    if figures["violations"]:
+        typer.echo(
+            f"kv-canary: {figures['violations']} violations; replay with --seed {seed}", err=True
         )
         raise typer.Exit(EXIT_VIOLATIONS)
 

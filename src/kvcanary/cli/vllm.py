@@ -16,7 +16,6 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from kvcanary.cli.commands import (
     EXIT_STOPPED,
@@ -29,6 +28,8 @@ from kvcanary.cli.commands import (
     _names,
     app,
     err_console,
+    exit_on_violations,
+    print_summary,
 )
 
 __all__ = ["vllm"]
@@ -167,20 +168,8 @@ def _plain(engine: Any, requests: int, seed: int, max_tokens: int, json_path: Pa
         typer.echo(str(exc).splitlines()[0], err=True)
         typer.echo(f"kv-canary: stopped by raise mode; replay with --seed {seed}", err=True)
         raise typer.Exit(EXIT_STOPPED) from None
-    table = Table(title="kvcanary vllm", show_header=True)
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for key, value in run.figures.items():
-        table.add_row(key, str(value))
-    Console().print(table)
-    if json_path is not None:
-        json_path.write_text(json.dumps(run.figures, indent=2) + "\n")
-    if run.figures["violations"]:
-        typer.echo(
-            f"kv-canary: {run.figures['violations']} violations; replay with --seed {seed}",
-            err=True,
-        )
-        raise typer.Exit(EXIT_VIOLATIONS)
+    print_summary("kvcanary vllm", run.figures, json_path)
+    exit_on_violations(run.figures, seed)
 
 
 def _campaign(engine: Any, injector: Any, spec: Any, json_path: Path | None) -> None:
