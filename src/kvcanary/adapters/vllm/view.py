@@ -100,6 +100,10 @@ def split_waves(view: ForwardView) -> list[ForwardView]:
     starts = np.concatenate(([0], np.cumsum(extend)[:-1]))
     out_slots = view.out_slots.numpy()
     r2t = view.req_to_token.numpy()
+    written = out_slots[out_slots > 0]
+    in_prefix = np.arange(r2t.shape[1]) < prefix[:, None]
+    if written.size == 0 or not np.isin(r2t[rows][in_prefix], written).any():
+        return [view]  # the common case, decided without a Python loop over slots
     writer: dict[int, int] = {}
     for i in range(n):
         for s in out_slots[starts[i] : starts[i] + extend[i]]:
