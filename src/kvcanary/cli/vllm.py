@@ -58,12 +58,13 @@ def vllm(
         Path | None, typer.Option(help="a local Hugging Face model directory (default: --tiny)")
     ] = None,
     tiny: Annotated[
-        bool, typer.Option(help="a random-weight tiny Llama written locally on first use")
+        bool,
+        typer.Option("--tiny", help="a random-weight tiny Llama written locally on first use"),
     ] = False,
     requests: Annotated[
         int | None,
         typer.Option(
-            help="requests in the workload [default: 200; 64 per seed with --faults]",
+            help="requests in the workload (default 200; 64 per seed with --faults)",
             show_default=False,
         ),
     ] = None,
@@ -71,7 +72,7 @@ def vllm(
     max_tokens: Annotated[
         int | None,
         typer.Option(
-            help="longest output per request [default: 64; 32 with --faults]", show_default=False
+            help="longest output per request (default 64; 32 with --faults)", show_default=False
         ),
     ] = None,
     kv_blocks: Annotated[
