@@ -15,7 +15,10 @@ Printed per workload: median wall time per run for each arm, the overhead
 `(on - off) / off` of the medians and of the paired runs, and the canary's own time (timed
 inside the adapter) as a share of the `on` runs.
 
-    python bench/vllm_overhead.py [--rounds 7] [--json PATH]
+    python bench/vllm_overhead.py [--rounds 7] [--hidden 256] [--layers 2] [--json PATH]
+
+The default model is the test suite's tiny Llama (a decode step of a few milliseconds, where the
+canary's fixed per-step cost weighs most); `--hidden 1024 --layers 8` is a wider one.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode-requests", type=int, default=8)
     ap.add_argument("--decode-tokens", type=int, default=96)
+    ap.add_argument("--hidden", type=int, default=256, help="model width (head_dim stays 64)")
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--json", dest="json_path", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -45,13 +50,18 @@ def main() -> int:
 
     from kvcanary.adapters.vllm.state import STATE
     from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
-    from kvcanary.app.vllm.model import ensure_tiny_llama
+    from kvcanary.app.vllm.model import TinyLlamaSpec, ensure_tiny_llama
     from kvcanary.app.vllm.workload import VllmRequest
 
+    heads = args.hidden // 64
+    model_spec = TinyLlamaSpec(
+        hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+    )  # fmt: skip
     env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
     blocks_needed = args.prefill_requests * (args.prompt_len // 32 + 2)
     settings = VllmSettings(
-        model=ensure_tiny_llama(), kv_blocks=max(64, blocks_needed), max_num_seqs=16,
+        model=ensure_tiny_llama(model_spec), kv_blocks=max(64, blocks_needed), max_num_seqs=16,
         max_num_batched_tokens=512, max_model_len=max(512, args.prompt_len + 128),
     )  # fmt: skip
     engine = VllmEngine(settings, env)
@@ -77,6 +87,7 @@ def main() -> int:
         timed(kind, 999, True)
         timed(kind, 999, False)
     results: dict[str, dict[str, float]] = {}
+    print(f"model: hidden {args.hidden}, {args.layers} layers, {heads} heads x 64")
     for kind in ("prefill", "decode"):
         on, off, canary, steps = [], [], [], 0
         for r in range(args.rounds):
