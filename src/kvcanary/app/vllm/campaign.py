@@ -15,7 +15,7 @@ from kvcanary.app.selftest.campaign import CaseOutcome, NameSummary
 from kvcanary.app.selftest.correlate import Fault, correlate
 from kvcanary.app.vllm.engine import VllmEngine
 from kvcanary.app.vllm.faults import VLLM_FAULT_MODES, VllmFaultInjector
-from kvcanary.app.vllm.workload import VllmWorkload
+from kvcanary.app.vllm.workload import VllmRequest, VllmWorkload
 
 __all__ = ["VLLM_EXPECTED_REASONS", "VllmCampaignSpec", "replay_command", "run_vllm_campaign"]
 
@@ -88,7 +88,7 @@ def _case(
     engine: VllmEngine,
     injector: VllmFaultInjector,
     spec: VllmCampaignSpec,
-    workload: Sequence[object],
+    workload: Sequence[VllmRequest],
     seed: int,
     mode: str | None,
 ) -> CaseOutcome:
@@ -100,7 +100,7 @@ def _case(
         offset = random.Random(f"{mode}:{seed}").randrange(spec.warmup_steps)
         injector.arm(mode, seed=seed, first_step=canary.step + spec.warmup_steps + offset)
     try:
-        run = engine.run(workload, seed=seed)  # type: ignore[arg-type]
+        run = engine.run(workload, seed=seed)
     finally:
         if mode is not None:
             injector.disarm()

@@ -165,7 +165,7 @@ class VllmFaultInjector:
         # (row, index) of every full computed block; a swap target must be another block at a
         # different sequence index, so its records cannot match by accident
         full = [(r, j) for r in range(n) for j in range(computed[r] // size)]
-        victims = [(r, j) for r in range(n) for j in range((computed[r] - 1) // size)] if n else []
+        victims = [(r, j) for r in range(n) for j in range((computed[r] - 1) // size)]
         a.rng.shuffle(victims)
         for r, j in victims:
             own = int(table[r, j])

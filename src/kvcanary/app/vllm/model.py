@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,5 +55,8 @@ def ensure_tiny_llama(spec: TinyLlamaSpec = TinyLlamaSpec(), root: Path | None =
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(str(tmp))
     (tmp / "kvcanary-spec.json").write_text(json.dumps(asdict(spec)) + "\n")
-    tmp.replace(path) if not path.exists() else None
+    try:
+        tmp.replace(path)
+    except OSError:  # another process wrote the same spec first: keep theirs
+        shutil.rmtree(tmp)
     return path
