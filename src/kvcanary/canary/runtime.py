@@ -183,6 +183,30 @@ class Canary:
         """Violations reported since the previous drain, in ring order (every mode)."""
         return self.ring.drain()
 
+    def verify_entries(
+        self,
+        *,
+        group: str,
+        slots: npt.NDArray[np.int64],
+        prevs: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        tokens: npt.NDArray[np.int64],
+    ) -> None:
+        """Verify entries no forward planned (landed transfers, SPEC §14.4) in the HEAD buffer
+        (HEAD tags, no sources) and the TAIL buffer (TAIL tags and sources), then pump. The
+        caller range-checks the slots (`canary.transfer`); no forward may be open."""
+        if self._open is not None:
+            raise CanaryContractError("kv-canary: verify of landed slots while a forward is open")
+        g = self.group(group)
+        with _launch_threads(len(slots)):
+            for stage in ("head", "tail"):
+                for half in g.halves:
+                    self._verify(
+                        LaunchTag.of(stage, half, g.name), g.words(stage, half),
+                        g.stage_sources(stage, half), slots, prevs, positions, tokens,
+                    )  # fmt: skip
+        self._pump()
+
     # ----------------------------------------------------------------- introspection
     @property
     def sweep_due(self) -> bool:
