@@ -93,9 +93,7 @@ class IncidentCollector:
         for slot in np.unique(rows[:, 1]).tolist():
             candidates = np.flatnonzero(plan.v_slot == slot).tolist()
             failing = [
-                (e, bits)
-                for e in candidates
-                if (bits := _recheck(words, src, plan, e, tag)) != 0
+                (e, bits) for e in candidates if (bits := _recheck(words, src, plan, e, tag)) != 0
             ]
             if not failing:  # cannot happen with a read-only verify; charge every reader
                 slot_bits = int(np.bitwise_or.reduce(rows[rows[:, 1] == slot, 7]))
@@ -129,17 +127,19 @@ class IncidentCollector:
                 hits[i] = _Hit(r, position, int(snap.out_slots[i]), bits)
         self._add(stage, tag, step, rows, snap, list(hits.values()))
 
-    def sweep_pass(
-        self, *, tag: int, step: int, rows: I64, walked: I64, group_slots: I64
-    ) -> None:
+    def sweep_pass(self, *, tag: int, step: int, rows: I64, walked: I64, group_slots: I64) -> None:
         """A SWEEP pass: no request, only the failing cached slots (full-pool indices)."""
         failing = np.isin(group_slots, np.unique(rows[:, 1]))
         slots = sorted({int(s) for s in walked[failing, 0].tolist() if s > 0})
         self._pending.append(
             Incident(
-                stage="sweep", tag=tag, step=step, violations=len(rows),
-                fail_reason_bits=int(np.bitwise_or.reduce(rows[:, 7])), slots=tuple(slots),
-            )  # fmt: skip
+                stage="sweep",
+                tag=tag,
+                step=step,
+                violations=len(rows),
+                fail_reason_bits=int(np.bitwise_or.reduce(rows[:, 7])),
+                slots=tuple(slots),
+            )
         )
 
     # ------------------------------------------------------------------ internals
@@ -162,10 +162,14 @@ class IncidentCollector:
         slots = sorted({s for ir in incident_rows for s in ir.slots})
         self._pending.append(
             Incident(
-                stage=stage, tag=tag, step=step, violations=len(rows),
-                fail_reason_bits=int(np.bitwise_or.reduce(rows[:, 7])), slots=tuple(slots),
+                stage=stage,
+                tag=tag,
+                step=step,
+                violations=len(rows),
+                fail_reason_bits=int(np.bitwise_or.reduce(rows[:, 7])),
+                slots=tuple(slots),
                 rows=incident_rows,
-            )  # fmt: skip
+            )
         )
 
 
@@ -193,9 +197,10 @@ def _recheck(
     ring = np.zeros((1, 8), dtype=np.uint64)
     state = np.zeros(1, dtype=np.int64)
     one = slice(e, e + 1)
+    s0, s1, s2, s3 = src.words
     reference.verify(
         words, plan.v_slot[one], plan.v_prev[one], plan.v_pos[one], plan.v_tok[one],
-        *src.words, src.params, src.count, tag, ring, state,
+        s0, s1, s2, s3, src.params, src.count, tag, ring, state,
     )  # fmt: skip
     return int(ring[0, 7]) if state[0] else 0
 

@@ -99,7 +99,9 @@ class ViolationRing:
         if not self._dropped_rows or self._last_summary_step == step:
             return
         self._last_summary_step = step
-        counts = ", ".join(f"{tag}/{label}={n}" for (tag, label), n in sorted(self._dropped.items()))
+        counts = ", ".join(
+            f"{tag}/{label}={n}" for (tag, label), n in sorted(self._dropped.items())
+        )
         logger.warning(
             "kv-canary: %d further violations not kept by the full ring (capacity=%d) up to "
             "step=%d, total=%d: %s",
