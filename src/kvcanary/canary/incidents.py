@@ -127,13 +127,23 @@ class IncidentCollector:
                 hits[i] = _Hit(r, position, int(snap.out_slots[i]), bits)
         self._add(stage, tag, step, rows, snap, list(hits.values()))
 
-    def sweep_pass(self, *, tag: int, step: int, rows: I64, walked: I64, group_slots: I64) -> None:
-        """A SWEEP pass: no request, only the failing cached slots (full-pool indices)."""
+    def sweep_pass(
+        self,
+        *,
+        tag: int,
+        step: int,
+        rows: I64,
+        walked: I64,
+        group_slots: I64,
+        stage: str = "sweep",
+    ) -> None:
+        """A SWEEP pass (or a verify of landed slots): no request, only the failing slots
+        (full-pool indices, `walked[:, 0]`)."""
         failing = np.isin(group_slots, np.unique(rows[:, 1]))
         slots = sorted({int(s) for s in walked[failing, 0].tolist() if s > 0})
         self._pending.append(
             Incident(
-                stage="sweep",
+                stage=stage,
                 tag=tag,
                 step=step,
                 violations=len(rows),

@@ -192,6 +192,38 @@ class Canary:
         counts, whether or not the fill-once ring still had room for its details."""
         return self._incidents.take()
 
+    def verify_entries(
+        self,
+        *,
+        group: str,
+        slots: npt.NDArray[np.int64],
+        prevs: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        tokens: npt.NDArray[np.int64],
+    ) -> None:
+        """Verify entries no forward planned (landed transfers, SPEC §14.4) in the HEAD buffer
+        (HEAD tags, no sources) and the TAIL buffer (TAIL tags and sources), then pump. The
+        caller range-checks the slots (`canary.transfer`); no forward may be open."""
+        if self._open is not None:
+            raise CanaryContractError("kv-canary: verify of landed slots while a forward is open")
+        g = self.group(group)
+        with _launch_threads(len(slots)):
+            for stage in ("head", "tail"):
+                for half in g.halves:
+                    tag = LaunchTag.of(stage, half, g.name)
+                    rows = self._verify(
+                        tag, g.words(stage, half),
+                        g.stage_sources(stage, half), slots, prevs, positions, tokens,
+                    )  # fmt: skip
+                    if len(rows) and self.config.recover:
+                        # a landed slot belongs to no view row: a slot-only incident, like SWEEP
+                        self._incidents.sweep_pass(
+                            tag=int(tag), step=self.step, rows=rows,
+                            walked=np.stack([slots, positions, prevs], axis=1), group_slots=slots,
+                            stage=stage,
+                        )  # fmt: skip
+        self._pump()
+
     # ----------------------------------------------------------------- introspection
     @property
     def sweep_due(self) -> bool:

@@ -10,6 +10,12 @@ from kvcanary.contract.hooks import CanaryHooks, NullHooks
 from kvcanary.contract.incident import Incident, IncidentRow, IncidentSource
 from kvcanary.contract.oracle import TokenOracle, request_key, splitmix64
 from kvcanary.contract.tags import FailReason, LaunchTag, fail_reason_labels, tag_name
+from kvcanary.contract.transfer import (
+    NullSidecars,
+    SidecarRecords,
+    SidecarTransfer,
+    layered_transfer_order,
+)
 from kvcanary.contract.view import ExpectedInputs, ForwardView
 from kvcanary.contract.violation import Violation
 from kvcanary.contract.walker import PrefixCacheWalker, walk_node_slots
@@ -28,11 +34,15 @@ __all__ = [
     "IncidentSource",
     "LaunchTag",
     "NullHooks",
+    "NullSidecars",
     "PrefixCacheWalker",
     "RealKvSource",
+    "SidecarRecords",
+    "SidecarTransfer",
     "TokenOracle",
     "Violation",
     "fail_reason_labels",
+    "layered_transfer_order",
     "request_key",
     "splitmix64",
     "tag_name",
