@@ -7,6 +7,7 @@ Stdlib and torch only. Engines build `ForwardView`s and `BufferGroupSpec`s and d
 from kvcanary.contract.errors import CanaryContractError
 from kvcanary.contract.groups import MAX_SOURCES_PER_HALF, BufferGroupSpec, GroupKind, RealKvSource
 from kvcanary.contract.hooks import CanaryHooks, NullHooks
+from kvcanary.contract.incident import Incident, IncidentRow, IncidentSource
 from kvcanary.contract.oracle import TokenOracle, request_key, splitmix64
 from kvcanary.contract.tags import FailReason, LaunchTag, fail_reason_labels, tag_name
 from kvcanary.contract.transfer import (
@@ -28,6 +29,9 @@ __all__ = [
     "FailReason",
     "ForwardView",
     "GroupKind",
+    "Incident",
+    "IncidentRow",
+    "IncidentSource",
     "LaunchTag",
     "NullHooks",
     "NullSidecars",
