@@ -8,11 +8,12 @@ the no-cache reference (tiny model) or the token oracle (oracle model).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
-from kvcanary.app.session import Stack
-from kvcanary.app.workload import PlannedRequest
+from kvcanary.app.observability import StepObserver
+from kvcanary.app.session import RunSettings, RunSummary, Stack, build_stack, run_session
+from kvcanary.app.workload import PlannedRequest, build_workload
 from kvcanary.canary import CanarySidecars
 from kvcanary.contract import NullSidecars, SidecarTransfer, request_key
 from kvcanary.engine.host_tier import HostTier
@@ -21,7 +22,13 @@ from kvcanary.engine.reference import greedy_reference
 from kvcanary.engine.request import RequestStatus
 from kvcanary.engine.transfer_faults import TransferFaults
 
-__all__ = ["OutputCheck", "attach_host_tier", "check_outputs", "sidecars_of"]
+__all__ = [
+    "OutputCheck",
+    "attach_host_tier",
+    "check_outputs",
+    "run_host_tier_session",
+    "sidecars_of",
+]
 
 
 def sidecars_of(stack: Stack) -> SidecarTransfer:
@@ -54,7 +61,9 @@ class OutputCheck:
 
 
 def check_outputs(
-    stack: Stack, planned: Iterable[PlannedRequest], outputs: dict[str, tuple[int, ...]] | None = None
+    stack: Stack,
+    planned: Iterable[PlannedRequest],
+    outputs: dict[str, tuple[int, ...]] | None = None,
 ) -> OutputCheck:
     """Compare every finished request with the no-cache greedy reference (tiny model) or the
     token oracle (oracle model). `outputs` overrides where the outputs come from (a decode
@@ -82,3 +91,30 @@ def check_outputs(
         if got != want:
             bad.append(p.request_id)
     return OutputCheck(compared, tuple(bad))
+
+
+def run_host_tier_session(
+    settings: RunSettings,
+    num_pages: int,
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    observer: StepObserver | None = None,
+) -> RunSummary:
+    """`run_session` with a host tier of `num_pages` pages; adds the host counters and the
+    output check against the no-cache reference to the figures."""
+    stack = build_stack(settings)
+    host = attach_host_tier(stack, num_pages)
+    summary = run_session(settings, progress, stack=stack, observer=observer)
+    check = check_outputs(stack, build_workload(settings.workload))
+    s = host.stats
+    figures = {
+        **summary.figures,
+        "host_tier_pages": num_pages,
+        "host_backups": s.backups,
+        "host_restores": s.restores,
+        "host_restored_tokens": s.restored_tokens,
+        "host_rejected_restores": s.rejected_restores,
+        "outputs_compared": check.compared,
+        "outputs_identical": check.identical,
+    }
+    return replace(summary, figures=figures)

@@ -211,7 +211,9 @@ class HostTier:
             if assumed != entry.pages[:c] and assumed[-1] < self.num_pages:
                 read = self._read(assumed, depth, entry.key[:c])
                 assert read.records is not None
-                if any(_pos_chain(read.records, j) != _pos_chain(stored.records, j) for j in range(c)):
+                if any(
+                    _pos_chain(read.records, j) != _pos_chain(stored.records, j) for j in range(c)
+                ):
                     note = (f"restore read host pages {first}..{assumed[-1]} as if contiguous; the "
                             f"entry's pages are {entry.pages[:c]}")  # fmt: skip
                     return read, ("contiguous_block_ids", note)

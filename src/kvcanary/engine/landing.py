@@ -104,7 +104,9 @@ def land_pages(
             if entry >= stop_after:
                 break  # the transfer stopped here: later layers and the TAIL entry never land
             idx = torch.tensor(written, dtype=torch.int64)
-            pool.write(entry, torch.tensor(landing, dtype=torch.int64), k[entry][idx], v[entry][idx])
+            pool.write(
+                entry, torch.tensor(landing, dtype=torch.int64), k[entry][idx], v[entry][idx]
+            )
         elif entry == "tail" and pages.records is not None and landing:
             sidecars.import_sidecars(records=_pick(pages.records, written), slots=landing)
     prevs = [prev_slot, *slots[:-1]]
@@ -116,6 +118,7 @@ def land_pages(
 
 def _pick(records: SidecarRecords, rows: list[int]) -> SidecarRecords:
     """Records `rows` (in that order) of `records`."""
+
     def take(buf: bytes) -> bytes:
         return b"".join(buf[j * 32 : (j + 1) * 32] for j in rows)
 
@@ -141,25 +144,43 @@ def _inject(
     differs = [j for j in range(n) if _differs(current, pages.records, j)]
     pos = [pages.start + j for j in range(n)]
 
-    def record(name: str, damaged: Iterable[int], description: str, extra: Iterable[int] = ()) -> None:
+    def record(
+        name: str, damaged: Iterable[int], description: str, extra: Iterable[int] = ()
+    ) -> None:
         idx = sorted(set(damaged) | {j + 1 for j in damaged if j + 1 < n})
         faults.record(name, [*(slots[j] for j in idx), *extra], [pos[j] for j in idx], description)
 
     if faults.armed("wrong_slots") and n >= 2:
         i, j = sorted(faults.rng("wrong_slots").sample(range(n), 2))
         dest[i], dest[j] = dest[j], dest[i]
-        record("wrong_slots", (i, j), f"pages of positions {pos[i]} and {pos[j]} landed in each other's slots")
+        record(
+            "wrong_slots",
+            (i, j),
+            f"pages of positions {pos[i]} and {pos[j]} landed in each other's slots",
+        )
     elif faults.armed("page_never_written") and differs:
         j = faults.rng("page_never_written").choice(differs)
         written.remove(j)
-        record("page_never_written", (j,), f"page of position {pos[j]} never written to slot {slots[j]}; landing reported complete")
+        record(
+            "page_never_written",
+            (j,),
+            f"page of position {pos[j]} never written to slot {slots[j]}; landing reported complete",
+        )
     elif faults.armed("partial_layers") and differs:
         stop = faults.rng("partial_layers").randrange(layers)
-        record("partial_layers", differs, f"transfer stopped after {stop} of {layers} layers: TAIL sidecars never landed")
+        record(
+            "partial_layers",
+            differs,
+            f"transfer stopped after {stop} of {layers} layers: TAIL sidecars never landed",
+        )
         return dest, written, stop, k
     elif faults.armed("bit_flip_in_transit"):
         j = faults.rng("bit_flip_in_transit").randrange(n)
         k = k.clone()
         k[0, j].view(-1).view(torch.uint8)[0] ^= 0xFF
-        record("bit_flip_in_transit", (j,), f"byte 0 of layer-0 K of position {pos[j]} flipped in transit")
+        record(
+            "bit_flip_in_transit",
+            (j,),
+            f"byte 0 of layer-0 K of position {pos[j]} flipped in transit",
+        )
     return dest, written, layers, k

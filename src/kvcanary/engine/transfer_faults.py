@@ -111,7 +111,9 @@ class TransferFaults:
         )
 
 
-def validate_transfer_faults(names: Iterable[str], allowed: Sequence[str] = TRANSFER_FAULT_NAMES) -> None:
+def validate_transfer_faults(
+    names: Iterable[str], allowed: Sequence[str] = TRANSFER_FAULT_NAMES
+) -> None:
     """One-line ValueError naming the bad fault and the valid names."""
     for name in names:
         if name not in allowed:

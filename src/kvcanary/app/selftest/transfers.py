@@ -67,8 +67,15 @@ def host_settings(seed: int, requests: int, *, sweep_interval: int = 2) -> RunSe
 def faults_of_transfers(records: Sequence[TransferFaultRecord], window: int) -> list[Fault]:
     """One `Fault` per journaled firing: the receiver's slots and the positions they held."""
     return [
-        Fault(r.fault, r.step, "full", frozenset(s for s in r.slots if s > 0), window,
-              positions=frozenset(r.positions), detail=r.description)  # fmt: skip
+        Fault(
+            r.fault,
+            r.step,
+            "full",
+            frozenset(s for s in r.slots if s > 0),
+            window,
+            positions=frozenset(r.positions),
+            detail=r.description,
+        )
         for r in records
     ]
 
@@ -87,7 +94,9 @@ class TransferCase:
     @property
     def replay(self) -> str:
         """The command that replays this case alone."""
-        return f"kvcanary selftest --transfers --modes {self.fault} --first-seed {self.seed} --seeds 1"
+        return (
+            f"kvcanary selftest --transfers --modes {self.fault} --first-seed {self.seed} --seeds 1"
+        )
 
 
 def run_host_case(fault: str | None, seed: int, requests: int) -> TransferCase:
