@@ -28,3 +28,28 @@ def test_negative_host_tier_pages_is_one_line_exit_2() -> None:
     assert result.exit_code == 2
     assert "--host-tier-pages must be >= 0, got -1; use 0 for no host tier" in result.output
     assert "Traceback" not in result.output
+
+
+def test_run_disaggregate_is_clean_and_matches_reference(tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    result = RUNNER.invoke(app, ["run", "--disaggregate", "--requests", "12", "--model", "oracle",
+                                 "--quiet", "--json", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert figures["violations"] == 0 and figures["prefill_violations"] == 0
+    assert figures["transfers"] > 0 and figures["outputs_identical"] is True
+
+
+def test_selftest_transfers_host_catches_a_fault_one_to_one(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    result = RUNNER.invoke(app, ["selftest", "--transfers", "--places", "host", "--seeds", "1",
+                                 "--modes", "bit_flip_in_transit", "--json", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["passed"] and doc["results"][0]["seeds_caught_1to1"] == 1
+
+
+def test_selftest_transfers_bad_mode_is_exit_2() -> None:
+    result = RUNNER.invoke(app, ["selftest", "--transfers", "--modes", "bogus"])
+    assert result.exit_code == 2
+    assert "--modes: unknown transfer fault 'bogus'" in result.output

@@ -38,7 +38,7 @@ def test_clean_host_tier_run_restores_and_matches_reference(model: str) -> None:
     assert summary.figures["violations"] == 0, [v.message for v in summary.violations[:3]]
     assert summary.figures["requests_aborted"] > 0
     assert host.stats.restores > 0 and host.stats.rejected_restores == 0
-    check = check_outputs(stack, build_workload(settings.workload))
+    check = check_outputs(stack, build_workload(settings.workload), settings)
     assert check.compared > 0 and check.identical, check.mismatched
     stack.engine.scheduler.check_integrity()
 
@@ -51,7 +51,7 @@ def test_host_tier_without_canary_still_serves_correctly() -> None:
     host = attach_host_tier(stack, 512)
     run_session(settings, stack=stack)
     assert host.stats.restores > 0
-    assert check_outputs(stack, build_workload(settings.workload)).identical
+    assert check_outputs(stack, build_workload(settings.workload), settings).identical
 
 
 @pytest.mark.parametrize("seed", SEEDS)

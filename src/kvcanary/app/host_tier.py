@@ -9,16 +9,15 @@ the no-cache reference (tiny model) or the token oracle (oracle model).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from kvcanary.app.observability import StepObserver
+from kvcanary.app.reference import OutputCheck, ReferenceOutputs
 from kvcanary.app.session import RunSettings, RunSummary, Stack, build_stack, run_session
 from kvcanary.app.workload import PlannedRequest, build_workload
 from kvcanary.canary import CanarySidecars
-from kvcanary.contract import NullSidecars, SidecarTransfer, request_key
+from kvcanary.contract import NullSidecars, SidecarTransfer
 from kvcanary.engine.host_tier import HostTier
-from kvcanary.engine.model import TinyLlama
-from kvcanary.engine.reference import greedy_reference
 from kvcanary.engine.request import RequestStatus
 from kvcanary.engine.transfer_faults import TransferFaults
 
@@ -47,50 +46,17 @@ def attach_host_tier(
     return host
 
 
-@dataclass(frozen=True, slots=True)
-class OutputCheck:
-    """Finished requests compared with the no-cache reference."""
-
-    compared: int
-    mismatched: tuple[str, ...]
-
-    @property
-    def identical(self) -> bool:
-        """Every finished request matched."""
-        return not self.mismatched
-
-
 def check_outputs(
-    stack: Stack,
-    planned: Iterable[PlannedRequest],
-    outputs: dict[str, tuple[int, ...]] | None = None,
+    stack: Stack, planned: Iterable[PlannedRequest], settings: RunSettings
 ) -> OutputCheck:
-    """Compare every finished request with the no-cache greedy reference (tiny model) or the
-    token oracle (oracle model). `outputs` overrides where the outputs come from (a decode
-    engine in another process); by default the stack's own engine."""
-    compared, bad = 0, []
-    model = stack.runner.model
-    for p in planned:
-        if outputs is not None:
-            got = outputs.get(p.request_id)
-            if got is None:
-                continue
-        else:
-            req = stack.engine.request(p.request_id)
-            if req.status is not RequestStatus.FINISHED:
-                continue
-            got = tuple(req.output)
-        if stack.oracle is not None:
-            key = request_key(p.request_id)
-            start = len(p.prompt)
-            want = tuple(stack.oracle.token(key, start + j) for j in range(p.max_new_tokens))
-        else:
-            assert isinstance(model, TinyLlama)
-            want = tuple(greedy_reference(model, p.prompt, p.max_new_tokens))
-        compared += 1
-        if got != want:
-            bad.append(p.request_id)
-    return OutputCheck(compared, tuple(bad))
+    """Compare every finished request of the stack's engine with the no-cache reference."""
+    planned = list(planned)
+    outputs = {
+        p.request_id: tuple(stack.engine.request(p.request_id).output)
+        for p in planned
+        if stack.engine.request(p.request_id).status is RequestStatus.FINISHED
+    }
+    return ReferenceOutputs(settings).check(planned, outputs)
 
 
 def run_host_tier_session(
@@ -105,7 +71,7 @@ def run_host_tier_session(
     stack = build_stack(settings)
     host = attach_host_tier(stack, num_pages)
     summary = run_session(settings, progress, stack=stack, observer=observer)
-    check = check_outputs(stack, build_workload(settings.workload))
+    check = check_outputs(stack, build_workload(settings.workload), settings)
     s = host.stats
     figures = {
         **summary.figures,

@@ -240,12 +240,22 @@ def selftest(
     html_path: Annotated[
         Path | None, typer.Option("--html", help="write an HTML report with plots")
     ] = None,
+    transfers: Annotated[
+        bool, typer.Option(help="run the transfer faults (host tier, prefill->decode) instead")
+    ] = False,
+    places: Annotated[
+        str, typer.Option(help="with --transfers: host, disagg or both (comma-separated)")
+    ] = "host,disagg",
 ) -> None:
     """Inject every fault mode and planted bug on many seeds; prove each is caught 1:1.
 
     Exit status 0 only when every mode and plant is caught on every seed and the clean baseline
     (same seeds, no faults) has zero violations.
     """
+    if transfers:
+        from kvcanary.app.selftest.transfers_cli import selftest_transfers
+
+        raise typer.Exit(selftest_transfers(modes, places, seeds, first_seed, json_path))
     logging.disable(logging.WARNING)  # violations are expected here; the table tells the story
     try:
         spec = CampaignSpec(

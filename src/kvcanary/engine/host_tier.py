@@ -230,7 +230,7 @@ class HostTier:
 
 
 def _pos_chain(records: SidecarRecords, j: int) -> bytes:
-    return records.tail[0][32 * j + 8 : 32 * j + 24]
+    return records.tail[0][32 * j : 32 * j + 24]  # TOKEN, POSITION, PREV_HASH
 
 
 def _common(key: Sequence[int], tokens: Sequence[int], start: int) -> int:

@@ -25,9 +25,9 @@ from kvcanary.contract import SidecarRecords, SidecarTransfer, layered_transfer_
 from kvcanary.engine.kv_pool import KvPool
 from kvcanary.engine.transfer_faults import TransferFaults
 
-__all__ = ["KvPages", "land_pages", "read_pages"]
+__all__ = ["KvPages", "land_pages", "read_pages", "write_pages"]
 
-_POS_CHAIN = slice(8, 24)  # POSITION and PREV_HASH of a 32-byte record
+_CONTENT = slice(0, 24)  # TOKEN, POSITION and PREV_HASH of a 32-byte record
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +67,11 @@ def read_pages(
 
 
 def _differs(current: SidecarRecords, incoming: SidecarRecords, j: int) -> bool:
-    """Whether landing record j would change the slot's TAIL POSITION or PREV_HASH (only then
-    can a fault that leaves the old record in place be told apart from a correct landing)."""
+    """Whether landing record j would change the slot's TAIL TOKEN, POSITION or PREV_HASH (only
+    then can a fault that leaves the old record in place be told apart from a correct landing:
+    the slot's own check sees POSITION/PREV_HASH, its successor's chain check sees all three)."""
     a, b = j * 32, (j + 1) * 32
-    return current.tail[0][a:b][_POS_CHAIN] != incoming.tail[0][a:b][_POS_CHAIN]
+    return current.tail[0][a:b][_CONTENT] != incoming.tail[0][a:b][_CONTENT]
 
 
 def land_pages(
@@ -89,15 +90,37 @@ def land_pages(
     if n != pages.num_pages:
         raise ValueError(f"land_pages: {pages.num_pages} pages for {n} slots")
     dest, written, stop_after = list(slots), list(range(n)), pool.num_layers
-    k, v = pages.k, pages.v
+    k = pages.k
     if faults is not None and pages.records is not None and sidecars.carries_sidecars:
         dest, written, stop_after, k = _inject(pool, sidecars, slots, pages, faults)
-    landing = [dest[j] for j in written]
+    write_pages(pool, sidecars, [dest[j] for j in written], pages, written, stop_after, k)
+    prevs = [prev_slot, *slots[:-1]]
+    return sidecars.verify_landed(
+        group="full", slots=slots, positions=list(range(pages.start, pages.start + n)),
+        prev_slots=prevs, tokens=list(pages.tokens),
+    )  # fmt: skip
+
+
+def write_pages(
+    pool: KvPool,
+    sidecars: SidecarTransfer,
+    landing: list[int],
+    pages: KvPages,
+    written: list[int] | None = None,
+    stop_after: int | None = None,
+    k: torch.Tensor | None = None,
+) -> None:
+    """Write pages `written` (default all) of `pages` at `landing` in transfer order: HEAD
+    sidecars, layers below `stop_after`, TAIL sidecars (only when every layer landed). No
+    verify: `land_pages` verifies; a stale landing nobody expects (a late duplicate) does not."""
+    written = list(range(pages.num_pages)) if written is None else written
+    stop_after = pool.num_layers if stop_after is None else stop_after
+    k = pages.k if k is None else k
+    v = pages.v
     for entry in layered_transfer_order(pool.num_layers):
         if entry == "head" and pages.records is not None and landing:
             current = sidecars.export_sidecars(group="full", slots=landing)
-            head = pages.records.slice(0, n)
-            picked = _pick(head, written)
+            picked = _pick(pages.records, written)
             assert current is not None
             sidecars.import_sidecars(records=replace(picked, tail=current.tail), slots=landing)
         elif isinstance(entry, int):
@@ -109,11 +132,6 @@ def land_pages(
             )
         elif entry == "tail" and pages.records is not None and landing:
             sidecars.import_sidecars(records=_pick(pages.records, written), slots=landing)
-    prevs = [prev_slot, *slots[:-1]]
-    return sidecars.verify_landed(
-        group="full", slots=slots, positions=list(range(pages.start, pages.start + n)),
-        prev_slots=prevs, tokens=list(pages.tokens),
-    )  # fmt: skip
 
 
 def _pick(records: SidecarRecords, rows: list[int]) -> SidecarRecords:

@@ -196,6 +196,61 @@ class Scheduler:
         self._retract(req)
         return True
 
+    # ---- disaggregation (engine.disagg): prompt KV computed by a prefill engine elsewhere ----
+
+    def begin_transfer(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingSpec | None = None,
+    ) -> tuple[Request, int] | None:
+        """Reserve what a request whose prompt KV will arrive from a prefill engine needs: a
+        row, its cached prefix (locked) and fresh slots for the rest of the prompt, all in its
+        row. Returns `(request, cached length)`; None, with nothing changed, when no row or
+        slots are free now. The request is neither waiting nor running until
+        `finish_transfer` or `cancel_transfer`. Call between steps."""
+        req = self.add_request(request_id, prompt, max_new_tokens, sampling)
+        self._waiting.remove(req)
+        if self._kv.rows.num_free == 0:
+            del self._requests[request_id]
+            return None
+        matched = self._kv.attach(req)
+        slots = self._alloc_evicting(len(req.prompt) - req.num_computed)
+        if slots is None:
+            self._kv.release(req, cache=False)
+            del self._requests[request_id]
+            return None
+        self._kv.extend(req, slots)
+        self._counters.radix_hit_tokens += matched
+        return req, matched
+
+    def finish_transfer(self, req: Request, first_token: int) -> bool:
+        """The prompt KV of `req` landed and verified: it runs from its first sampled token.
+        Returns True when that token already finished it."""
+        req.num_computed = len(req.slots)
+        req.output.append(int(first_token))
+        self._counters.tokens_generated += 1
+        req.status = RequestStatus.RUNNING
+        req.admit_seq = self._admissions
+        self._admissions += 1
+        self._running.append(req)
+        if req.is_done:
+            self._finish(req)
+            return True
+        return False
+
+    def cancel_transfer(self, req: Request, *, aborted: bool) -> None:
+        """Give back what `begin_transfer` reserved. `aborted`: the client aborted; otherwise
+        the landing failed and the request is prefilled here instead (queued first)."""
+        self._kv.release(req, cache=False)
+        if aborted:
+            req.status = RequestStatus.ABORTED
+            self._counters.requests_aborted += 1
+        else:
+            req.status = RequestStatus.WAITING
+            self._waiting.appendleft(req)
+
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
@@ -314,6 +369,7 @@ class Scheduler:
         while (
             self._waiting
             and len(self._running) < cfg.max_running_requests
+            and self._kv.rows.num_free > 0  # requests receiving KV (disaggregation) hold rows too
             and len(self._pending) < cfg.max_batch_size
             and self._budget > 0
         ):

@@ -118,6 +118,5 @@ def validate_transfer_faults(
     for name in names:
         if name not in allowed:
             raise ValueError(
-                f"--transfer-faults: unknown transfer fault {name!r}; valid names: "
-                f"{', '.join(allowed)}"
+                f"--modes: unknown transfer fault {name!r}; valid names: {', '.join(allowed)}"
             )

@@ -15,13 +15,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvcanary.app.host_tier import attach_host_tier, check_outputs
+from kvcanary.app.reference import ReferenceOutputs
 from kvcanary.app.selftest.correlate import Correlation, Fault, correlate
 from kvcanary.app.session import RunSettings, build_stack, run_session
 from kvcanary.app.workload import WorkloadSpec, build_workload
 from kvcanary.canary import CanaryConfig, CanaryMode, RealDataMode
 from kvcanary.engine.config import EngineConfig
 from kvcanary.engine.model import ModelConfig
-from kvcanary.engine.transfer_faults import HOST_FAULTS, TransferFaultRecord, TransferFaults
+from kvcanary.engine.transfer_faults import (
+    DISAGG_FAULTS,
+    HOST_FAULTS,
+    TransferFaultRecord,
+    TransferFaults,
+)
 
 __all__ = [
     "TRANSFER_EXPECTED_REASONS",
@@ -29,6 +35,7 @@ __all__ = [
     "TransferSummary",
     "faults_of_transfers",
     "host_settings",
+    "run_disagg_case",
     "run_host_case",
     "run_transfer_campaign",
 ]
@@ -48,7 +55,15 @@ TRANSFER_EXPECTED_REASONS: dict[str, frozenset[str]] = {
 HOST_PAGES = 512
 
 
-def host_settings(seed: int, requests: int, *, sweep_interval: int = 2) -> RunSettings:
+def host_settings(
+    seed: int,
+    requests: int,
+    *,
+    sweep_interval: int = 2,
+    abort_fraction: float = 0.1,
+    arrivals_per_step: int = 4,
+    arrival_interval_steps: int = 1,
+) -> RunSettings:
     """The host-tier fixture: oracle model, a pool small enough to evict shared prefixes that
     later requests hit again (restores), aborts, chunked prefill, speculation, sweeps."""
     canary = CanaryConfig(mode=CanaryMode.LOG, real_data=RealDataMode.PARTIAL,
@@ -59,7 +74,9 @@ def host_settings(seed: int, requests: int, *, sweep_interval: int = 2) -> RunSe
         speculative_num_draft_tokens=2, seed=seed,
     )  # fmt: skip
     workload = WorkloadSpec(num_requests=requests, seed=seed, vocab_size=256,
-                            num_system_prompts=6, abort_fraction=0.1)  # fmt: skip
+                            num_system_prompts=6, abort_fraction=abort_fraction,
+                            arrivals_per_step=arrivals_per_step,
+                            arrival_interval_steps=arrival_interval_steps)  # fmt: skip
     return RunSettings(canary=canary, engine=engine, model=ModelConfig(vocab_size=256, seed=seed),
                        model_kind="oracle", workload=workload)  # fmt: skip
 
@@ -110,10 +127,32 @@ def run_host_case(fault: str | None, seed: int, requests: int) -> TransferCase:
     attach_host_tier(stack, HOST_PAGES, faults)
     run_session(settings, stack=stack)
     found = faults_of_transfers(faults.journal, window=0)
-    check = check_outputs(stack, build_workload(settings.workload))
+    check = check_outputs(stack, build_workload(settings.workload), settings)
     correlation = correlate(found, stack.hooks.violations)
     return TransferCase(fault or "clean", "host", seed, correlation, len(stack.hooks.violations),
                         check.identical)  # fmt: skip
+
+
+def run_disagg_case(fault: str | None, seed: int, requests: int) -> TransferCase:
+    """Serve the fixture across a prefill and a decode process with `fault` switched on."""
+    from kvcanary.app.disagg import DisaggOptions, serve_disaggregated
+
+    # more aborts and a steadier arrival rate, so aborts hit transfers in flight (the race)
+    settings = host_settings(
+        seed, requests, abort_fraction=0.3, arrivals_per_step=1, arrival_interval_steps=3
+    )
+    opts = DisaggOptions(faults=(fault,) if fault else (), fault_seed=seed, fault_warmup_steps=8)
+    result = serve_disaggregated(settings, opts)
+    window = settings.canary.sweep_interval if fault == "late_landing" else 0
+    found = faults_of_transfers(result.journal, window=window)
+    check = ReferenceOutputs(settings).check(build_workload(settings.workload), result.outputs)
+    # the sender stays silent: any prefill-side row is a false alarm
+    correlation = correlate(found, result.violations + result.prefill_violations)
+    return TransferCase(fault or "clean", "disagg", seed, correlation,
+                        len(result.violations) + len(result.prefill_violations), check.identical)  # fmt: skip
+
+
+PLACES: dict[str, tuple[str, ...]] = {"host": HOST_FAULTS, "disagg": DISAGG_FAULTS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +198,7 @@ class TransferSummary:
 
 
 CaseRunner = Callable[[str | None, int, int], TransferCase]
+RUNNERS: dict[str, CaseRunner] = {"host": run_host_case, "disagg": run_disagg_case}
 
 
 def run_transfer_campaign(
@@ -167,28 +207,25 @@ def run_transfer_campaign(
     requests: int,
     progress: Callable[[str], None] | None = None,
     *,
-    runners: dict[str, CaseRunner] | None = None,
+    places: Sequence[str] = ("host", "disagg"),
 ) -> tuple[list[TransferCase], list[TransferSummary]]:
-    """Clean baselines per place (host, and disagg when given), then every fault on every seed.
-
-    `runners` maps a place to its case runner; host faults run on `host`, the others on
-    `disagg` when that runner is given."""
-    places: dict[str, CaseRunner] = {"host": run_host_case, **(runners or {})}
+    """Clean baselines per place, then every fault on every seed at every place it applies to
+    (host tier: `HOST_FAULTS`; prefill->decode: `DISAGG_FAULTS`)."""
     baseline: list[TransferCase] = []
-    for where, runner in places.items():
+    for where in places:
         for seed in seeds:
-            baseline.append(runner(None, seed, requests))
+            baseline.append(RUNNERS[where](None, seed, requests))
             if progress:
                 progress(f"clean {where} seed {seed}")
     summaries = []
     for fault in faults:
-        where = "host" if fault in HOST_FAULTS and fault != "late_landing" else "disagg"
-        if where not in places:
-            continue
-        cases = []
-        for seed in seeds:
-            cases.append(places[where](fault, seed, requests))
-            if progress:
-                progress(f"{fault} {where} seed {seed}")
-        summaries.append(TransferSummary(fault, where, tuple(cases)))
+        for where in places:
+            if fault not in PLACES[where]:
+                continue
+            cases = []
+            for seed in seeds:
+                cases.append(RUNNERS[where](fault, seed, requests))
+                if progress:
+                    progress(f"{fault} {where} seed {seed}")
+            summaries.append(TransferSummary(fault, where, tuple(cases)))
     return baseline, summaries

@@ -1,0 +1,304 @@
+"""`kvcanary run --disaggregate`: a prefill engine and a decode engine in two OS processes.
+
+Each process builds its own stack (pool, radix cache, canary). KV crosses between them over a
+real transport on this machine:
+
+- **pages**: a `multiprocessing.shared_memory` segment of staging pages (`engine.kv_staging`),
+  mapped by both processes: the prefill side writes the pages the decode side lacks into pages
+  the decode side reserved, like a one-sided RDMA/NIXL write into a registered buffer;
+- **control**: a `multiprocessing.Pipe` (a local socket pair) carrying small pickled messages
+  (`PrefillOrder`, `PrefillDone` with the sidecar bytes, aborts), ordered and framed for free.
+
+The decode process drives the workload (arrivals, aborts at any point, including while a
+transfer is in flight) and returns its figures, outputs and fault journal to the parent, which
+checks the outputs against the no-cache reference. Both children are joined (or terminated) and
+the segment unlinked before `run_disaggregated` returns, whatever happened.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+from kvcanary.app.host_tier import attach_host_tier, sidecars_of
+from kvcanary.app.reference import ReferenceOutputs
+from kvcanary.app.session import RunSettings, RunSummary, build_stack
+from kvcanary.app.workload import build_workload
+from kvcanary.canary import CanaryViolationError
+from kvcanary.contract import Violation
+from kvcanary.engine.disagg import DecodeTransfers, PrefillDone
+from kvcanary.engine.kv_staging import KvStaging, staging_bytes
+from kvcanary.engine.request import RequestStatus
+from kvcanary.engine.transfer_faults import TransferFaultRecord, TransferFaults
+
+__all__ = ["DisaggOptions", "DisaggResult", "run_disaggregated", "serve_disaggregated"]
+
+_WAIT_S = 120.0  # a silent peer for this long means it died: fail instead of hanging
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggOptions:
+    """Knobs of a disaggregated run beyond `RunSettings` (self-test faults, host tier)."""
+
+    staging_pages: int = 1024
+    faults: tuple[str, ...] = ()
+    fault_seed: int = 0
+    fault_warmup_steps: int = 8
+    host_tier_pages: int = 0
+    transfer_steps: int = 2  # decode steps between reserving a transfer and landing it
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggResult:
+    """What the decode process reports back, plus the prefill side's figures."""
+
+    figures: dict[str, Any]
+    outputs: dict[str, tuple[int, ...]]
+    violations: tuple[Violation, ...]
+    prefill_violations: tuple[Violation, ...]
+    journal: tuple[TransferFaultRecord, ...]
+    stopped_by_raise: bool
+
+
+def _staging(shm: SharedMemory, settings: RunSettings, pages: int) -> KvStaging:
+    m = settings.model
+    return KvStaging(shm.buf, num_pages=pages, num_layers=m.num_layers, heads=m.num_kv_heads,
+                     dim=m.head_dim, dtype=m.torch_dtype)  # fmt: skip
+
+
+def _recv(conn: Connection, what: str) -> Any:
+    if not conn.poll(_WAIT_S):
+        raise RuntimeError(f"kvcanary disaggregate: no message from the {what} for {_WAIT_S}s")
+    return conn.recv()
+
+
+def _prefill_main(
+    conn: Connection, shm_name: str, settings: RunSettings, opts: DisaggOptions
+) -> None:
+    """The prefill process: compute prompts, stage their pages, answer each order."""
+    from kvcanary.engine.disagg import stage_prefilled
+
+    shm = SharedMemory(name=shm_name)
+    staging = _staging(shm, settings, opts.staging_pages)
+    try:
+        stack = build_stack(settings)
+        engine, sidecars = stack.engine, sidecars_of(stack)
+        step = [0]
+        faults = TransferFaults(frozenset(opts.faults) & {"contiguous_block_ids"}, seed=opts.fault_seed,
+                                warmup_steps=opts.fault_warmup_steps, step_of=lambda: step[0])  # fmt: skip
+        while True:
+            msg = _recv(conn, "decode process")
+            if isinstance(msg, tuple) and msg[0] == "shutdown":
+                conn.send(
+                    (
+                        "prefill_done",
+                        tuple(stack.hooks.violations),
+                        engine.stats().requests_finished,
+                    )
+                )
+                return
+            # one order at a time, to completion: the prefill side's slot layout (and so every
+            # fault choice) depends only on the order sequence, which the decode side fixes
+            engine.add_request(msg.request_id, msg.prompt, 1, msg.sampling)
+            step[0] = msg.decode_step
+            finished = None
+            while finished is None:
+                done = engine.step().finished
+                finished = next((f for f in done if f.request_id == msg.request_id), None)
+                if finished is None and not engine.has_work():
+                    raise RuntimeError(f"prefill of {msg.request_id!r} ended without a token")
+            slots, _ = engine.scheduler.prefix_cache.match_prefix(msg.prompt)
+            assert len(slots) == len(msg.prompt), "a finished prompt is cached whole"
+            conn.send(stage_prefilled(stack.pool, sidecars, staging, msg, slots,
+                                      finished.output[0], faults))  # fmt: skip
+    finally:
+        staging.release()
+        shm.close()
+
+
+def _decode_main(conn: Connection, out: Connection, shm_name: str, settings: RunSettings,
+                 opts: DisaggOptions) -> None:  # fmt: skip
+    """The decode process: drive the workload, reserve, receive, verify, decode."""
+    shm = SharedMemory(name=shm_name)
+    staging = _staging(shm, settings, opts.staging_pages)
+    try:
+        out.send(_decode_loop(conn, staging, settings, opts))
+    finally:
+        staging.release()
+        shm.close()
+
+
+def _decode_loop(
+    conn: Connection, staging: KvStaging, settings: RunSettings, opts: DisaggOptions
+) -> DisaggResult:
+    stack = build_stack(settings)
+    engine, canary = stack.engine, stack.canary
+    host = attach_host_tier(stack, opts.host_tier_pages) if opts.host_tier_pages else None
+    steps = 0
+    faults = TransferFaults(frozenset(opts.faults) - {"contiguous_block_ids"}, seed=opts.fault_seed,
+                            warmup_steps=opts.fault_warmup_steps,
+                            step_of=lambda: canary.step if canary is not None else steps)  # fmt: skip
+    transfers = DecodeTransfers(engine.scheduler, stack.pool, sidecars_of(stack), staging, faults)
+    planned = deque(build_workload(settings.workload))
+    incoming: deque[Any] = deque()
+    aborts: dict[int, list[str]] = {}
+    stopped, outcomes = False, {"landed": 0, "finished": 0, "rejected": 0, "discarded": 0}
+    due: dict[str, int] = {}
+    arrived: dict[str, PrefillDone] = {}
+    aborted_before = 0
+    start = time.perf_counter()
+    while planned or incoming or engine.has_work() or due:
+        while planned and planned[0].arrival_step <= steps:
+            p = planned.popleft()
+            incoming.append(p)
+            if p.abort_after_steps is not None:
+                aborts.setdefault(steps + p.abort_after_steps, []).append(p.request_id)
+        for rid in aborts.pop(steps, []):
+            if transfers.abort(rid):
+                continue  # its completion is still due; it will be discarded
+            if not engine.abort(rid):
+                waiting = [p for p in incoming if p.request_id == rid]
+                if waiting:
+                    incoming.remove(waiting[0])
+                    aborted_before += 1
+        while incoming:
+            p = incoming[0]
+            order = transfers.begin(p.request_id, p.prompt, p.max_new_tokens,
+                                    stack.sampling(p.request_id), steps)  # fmt: skip
+            if order is None:
+                if not engine.has_work() and not due:  # nothing will free room
+                    engine.add_request(p.request_id, p.prompt, p.max_new_tokens,
+                                       stack.sampling(p.request_id))  # fmt: skip
+                    incoming.popleft()
+                    continue
+                break
+            conn.send(order)
+            due[p.request_id] = steps + opts.transfer_steps
+            incoming.popleft()
+        # a transfer lands exactly `transfer_steps` steps after it began (deterministic replay),
+        # before the forward of that step: the first forward that can read its pages
+        for rid in sorted((r for r, d in due.items() if d <= steps), key=lambda r: due[r]):
+            del due[rid]
+            while rid not in arrived:
+                msg = _recv(conn, "prefill process")
+                arrived[msg.request_id] = msg
+            outcomes[transfers.complete(arrived.pop(rid))] += 1
+        transfers.tick()
+        try:
+            engine.step()
+        except CanaryViolationError:
+            stopped = True
+        steps += 1
+        if stopped:
+            break
+    conn.send(("shutdown",))
+    reply = _recv(conn, "prefill process")
+    while isinstance(reply, PrefillDone):  # answers to orders never due (raise mode stopped)
+        reply = _recv(conn, "prefill process")
+    stats = engine.stats()
+    outputs = {
+        p.request_id: tuple(engine.request(p.request_id).output)
+        for p in build_workload(settings.workload)
+        if _finished(engine, p.request_id)
+    }
+    t = transfers.stats
+    figures: dict[str, Any] = {
+        "requests_finished": stats.requests_finished,
+        "requests_aborted": stats.requests_aborted + aborted_before,
+        "aborted_in_flight": t.aborted_in_flight,
+        "transfers": t.transfers,
+        "transferred_tokens": t.landed_tokens,
+        "decode_cached_tokens": t.cached_tokens,
+        "rejected_landings": t.rejected,
+        "late_completions_discarded": t.late_completions,
+        "prefill_requests_finished": reply[2],
+        "tokens_generated": stats.tokens_generated,
+        "engine_steps": steps,
+        "retractions": stats.retractions,
+        "evictions": stats.evictions,
+        "radix_hit_tokens": stats.radix_hit_tokens,
+        "sweep_passes": canary.sweep_passes if canary else 0,
+        "violations": canary.total_violations if canary else 0,
+        "prefill_violations": len(reply[1]),
+        "host_restores": host.stats.restores if host else 0,
+        "wall_seconds": round(time.perf_counter() - start, 3),
+        "canary_mode": settings.canary.mode.value,
+        "seed": settings.workload.seed,
+    }
+    return DisaggResult(figures, outputs, tuple(stack.hooks.violations), tuple(reply[1]),
+                        tuple(faults.journal), stopped)  # fmt: skip
+
+
+def _finished(engine: Any, request_id: str) -> bool:
+    try:
+        return bool(engine.request(request_id).status is RequestStatus.FINISHED)
+    except KeyError:
+        return False
+
+
+def serve_disaggregated(settings: RunSettings, opts: DisaggOptions) -> DisaggResult:
+    """Run the two processes to completion; always joins them and unlinks the segment."""
+    m = settings.model
+    size = staging_bytes(
+        opts.staging_pages, m.num_layers, m.num_kv_heads, m.head_dim, m.torch_dtype
+    )
+    ctx = mp.get_context("spawn")
+    shm = SharedMemory(create=True, size=size)
+    to_prefill, from_decode = ctx.Pipe()
+    result_recv, result_send = ctx.Pipe(duplex=False)
+    prefill_settings = replace(
+        settings, engine=replace(settings.engine, speculative_num_draft_tokens=0)
+    )
+    procs = [
+        ctx.Process(target=_prefill_main, args=(from_decode, shm.name, prefill_settings, opts),
+                    name="kvcanary-prefill", daemon=True),
+        ctx.Process(target=_decode_main, args=(to_prefill, result_send, shm.name, settings, opts),
+                    name="kvcanary-decode", daemon=True),
+    ]  # fmt: skip
+    try:
+        for proc in procs:
+            proc.start()
+        while not result_recv.poll(1.0):
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead or all(p.exitcode is not None for p in procs):
+                raise RuntimeError(
+                    "kvcanary disaggregate: "
+                    + ", ".join(f"{p.name} exited with {p.exitcode}" for p in procs)
+                )
+        result: DisaggResult = result_recv.recv()
+        return result
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=10)
+        shm.close()
+        shm.unlink()
+
+
+def run_disaggregated(
+    settings: RunSettings,
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    host_tier_pages: int = 0,
+    opts: DisaggOptions | None = None,
+) -> RunSummary:
+    """`kvcanary run --disaggregate`: serve, check outputs, summarise like `run_session`."""
+    opts = opts or DisaggOptions(host_tier_pages=host_tier_pages)
+    result = serve_disaggregated(settings, opts)
+    planned = build_workload(settings.workload)
+    check = ReferenceOutputs(settings).check(planned, result.outputs)
+    if progress is not None:
+        progress(len(planned), len(planned))
+    figures = {**result.figures, "outputs_compared": check.compared,
+               "outputs_identical": check.identical}  # fmt: skip
+    return RunSummary(
+        figures, result.violations + result.prefill_violations, result.stopped_by_raise
+    )
