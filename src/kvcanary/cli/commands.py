@@ -15,10 +15,14 @@ from rich.table import Table
 
 from kvcanary.app.observability import EventLog, RunMetrics, StepObserver
 from kvcanary.app.selftest.campaign import CAMPAIGN_MODES, CampaignSpec, run_campaign
+from kvcanary.app.selftest.outcome import outcome_json, run_outcome_campaign
+from kvcanary.app.selftest.outcome_report import outcome_html, outcome_table
 from kvcanary.app.selftest.report import campaign_json, campaign_passed, html_report, result_table
 from kvcanary.app.session import RunSettings, run_session
 from kvcanary.app.workload import WorkloadSpec
 from kvcanary.canary import CanaryConfig, CanaryLaunchCapacities
+from kvcanary.canary import CanaryMode as CanaryModeValue
+from kvcanary.canary.config import parse_mode
 from kvcanary.engine.config import EngineConfig
 from kvcanary.engine.model import ModelConfig
 from kvcanary.engine.plants import PLANT_NAMES
@@ -32,7 +36,9 @@ err_console = Console(stderr=True)
 
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 3
 
-CanaryMode = Annotated[str, typer.Option("--kv-canary", help="none | log | raise (off = none)")]
+CanaryMode = Annotated[
+    str, typer.Option("--kv-canary", help="none | log | raise | recover (off = none)")
+]
 RealData = Annotated[str, typer.Option("--kv-canary-real-data", help="none | partial | all")]
 Sweep = Annotated[
     int,
@@ -212,11 +218,21 @@ def selftest(
     html_path: Annotated[
         Path | None, typer.Option("--html", help="write an HTML report with plots")
     ] = None,
+    kv_canary: Annotated[
+        str,
+        typer.Option(
+            "--kv-canary",
+            help="log: prove each fault is caught 1:1 | recover: prove no corrupted output is "
+            "delivered (vs a fault-free run, log mode side by side)",
+        ),
+    ] = "log",
 ) -> None:
     """Inject every fault mode and planted bug on many seeds; prove each is caught 1:1.
 
     Exit status 0 only when every mode and plant is caught on every seed and the clean baseline
-    (same seeds, no faults) has zero violations.
+    (same seeds, no faults) has zero violations. With `--kv-canary recover`: 0 only when no
+    request is delivered with an output different from the fault-free run, for every fault on
+    every seed, and the clean baseline has no incident.
     """
     logging.disable(logging.WARNING)  # violations are expected here; the table tells the story
     try:
@@ -224,8 +240,14 @@ def selftest(
             modes=_names(modes, CAMPAIGN_MODES), plants=_names(plants, PLANT_NAMES), seeds=seeds,
             first_seed=first_seed,
         )  # fmt: skip
+        selftest_mode = parse_mode(kv_canary)
+        if selftest_mode not in (CanaryModeValue.LOG, CanaryModeValue.RECOVER):
+            raise ValueError(f"selftest: --kv-canary must be log or recover, got {kv_canary!r}")
     except ValueError as exc:
         raise _fail(str(exc)) from None
+    if selftest_mode is CanaryModeValue.RECOVER:
+        _selftest_recover(spec, json_path, html_path)
+        return
     total = spec.seeds * (1 + len(spec.modes) + len(spec.plants))
     with Progress(
         TextColumn("[bold]selftest {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -251,6 +273,36 @@ def selftest(
             if not o.correlation.one_to_one:
                 typer.echo(f"{s.name} seed {o.seed} not caught 1:1; replay: {o.replay}", err=True)
     if not campaign_passed(baseline, summaries):
+        raise typer.Exit(EXIT_VIOLATIONS)
+
+
+def _selftest_recover(spec: CampaignSpec, json_path: Path | None, html_path: Path | None) -> None:
+    """`selftest --kv-canary recover`: outcomes against fault-free runs (SPEC §14.3)."""
+    total = spec.seeds * (1 + len(spec.modes) + len(spec.plants))
+    with Progress(
+        TextColumn("[bold]selftest recover {task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=err_console,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("", total=total)
+        summaries = run_outcome_campaign(
+            spec, lambda what: bar.update(task, advance=1, description=what)
+        )
+    Console(width=220).print(outcome_table(summaries))
+    if json_path is not None:
+        json_path.write_text(json.dumps(outcome_json(summaries, spec), indent=2) + "\n")
+    if html_path is not None:
+        html_path.write_text(outcome_html(summaries, spec))
+    passed = True
+    for s in summaries:
+        for c in s.cases:
+            if c.corrupted_delivered or (s.kind == "clean" and c.recover.incidents):
+                passed = False
+                typer.echo(
+                    f"{s.name} seed {c.seed}: {c.corrupted_delivered} corrupted outputs "
+                    f"delivered, {c.recover.incidents} incidents; replay: {c.replay}",
+                    err=True,
+                )
+    if not passed:
         raise typer.Exit(EXIT_VIOLATIONS)
 
 

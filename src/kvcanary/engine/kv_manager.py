@@ -121,6 +121,17 @@ class KvManager:
             self._allocator.decref(extra)
             self._table.write(req.row, req.num_computed, [0] * len(extra))
 
+    def truncate(self, req: Request, num_computed: int) -> None:
+        """Forget `req`'s KV from position `num_computed` on (a recompute after a canary
+        incident): drop its references on those slots and zero their table entries, so the
+        recompute writes into freshly allocated slots."""
+        extra = req.slots[num_computed:]
+        if extra:
+            del req.slots[num_computed:]
+            self._allocator.decref(extra)
+            self._table.write(req.row, num_computed, [0] * len(extra))
+        req.num_computed = num_computed
+
     def release(self, req: Request, *, cache: bool) -> None:
         """Give back everything `req` holds: its computed prefix goes to the radix cache when
         `cache` (and caching is on), every other slot reference is dropped, the radix lock is
