@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,7 +19,7 @@ from kvcanary.app.selftest.campaign import CAMPAIGN_MODES, CampaignSpec, run_cam
 from kvcanary.app.selftest.outcome import outcome_json, run_outcome_campaign
 from kvcanary.app.selftest.outcome_report import outcome_html, outcome_table
 from kvcanary.app.selftest.report import campaign_json, campaign_passed, html_report, result_table
-from kvcanary.app.session import RunSettings, run_session
+from kvcanary.app.session import RunSettings, RunSummary, run_session
 from kvcanary.app.workload import WorkloadSpec
 from kvcanary.canary import CanaryConfig, CanaryLaunchCapacities
 from kvcanary.canary import CanaryMode as CanaryModeValue
@@ -98,6 +99,12 @@ def run(
             + ", ".join(PLANT_NAMES),
         ),
     ] = None,
+    host_tier_pages: Annotated[
+        int, typer.Option(help="host tier under the pool, in token pages; 0 = off")
+    ] = 0,
+    disaggregate: Annotated[
+        bool, typer.Option(help="prefill and decode engines in two processes (KV moves between)")
+    ] = False,
 ) -> None:
     """Serve the embedded workload on the reference engine with the canary installed.
 
@@ -130,6 +137,10 @@ def run(
             model_kind=model,
             workload=WorkloadSpec(num_requests=requests, seed=seed, vocab_size=256),
         )
+        if host_tier_pages < 0:
+            raise ValueError(
+                f"--host-tier-pages must be >= 0, got {host_tier_pages}; use 0 for no host tier"
+            )
     except (ValueError, TypeError) as exc:
         raise _fail(str(exc)) from None
     observer = StepObserver(
@@ -140,11 +151,10 @@ def run(
         console=err_console, disable=quiet, transient=False,
     ) as bar:  # fmt: skip
         task = bar.add_task("requests", total=requests)
-        summary = run_session(
-            settings,
-            lambda done, total: bar.update(task, completed=done, total=total),
-            observer=observer,
-        )
+        summary = _serve(  # a plain run, or one with KV leaving the pool (app.transfers_cli)
+            settings, host_tier_pages, disaggregate,
+            lambda done, total: bar.update(task, completed=done, total=total), observer,
+        )  # fmt: skip
     observer.close()
     print_summary("kvcanary run", summary.figures, json_path)
     if summary.stopped_by_raise:
@@ -153,6 +163,24 @@ def run(
         )
         raise typer.Exit(EXIT_STOPPED)
     exit_on_violations(summary.figures, seed)
+
+
+def _serve(
+    settings: RunSettings,
+    host_tier_pages: int,
+    disaggregate: bool,
+    progress: Callable[[int, int], None],
+    observer: StepObserver,
+) -> RunSummary:
+    if disaggregate:
+        from kvcanary.app.disagg import run_disaggregated
+
+        return run_disaggregated(settings, progress, host_tier_pages=host_tier_pages)
+    if host_tier_pages:
+        from kvcanary.app.host_tier import run_host_tier_session
+
+        return run_host_tier_session(settings, host_tier_pages, progress, observer=observer)
+    return run_session(settings, progress, observer=observer)
 
 
 def print_summary(title: str, figures: dict[str, Any], json_path: Path | None) -> None:

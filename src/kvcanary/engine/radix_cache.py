@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvcanary.contract import walk_node_slots
@@ -72,7 +72,10 @@ class RadixCache:
     Satisfies `kvcanary.contract.PrefixCacheWalker` through `walk`.
     """
 
-    __slots__ = ("_allocator", "_cached", "_clock", "_ids", "_plants", "_protected", "_root")
+    __slots__ = (
+        "_allocator", "_cached", "_clock", "_ids", "_plants", "_protected", "_root",
+        "evict_listener",
+    )  # fmt: skip
 
     def __init__(self, allocator: SlotAllocator, plants: PlantSet | None = None) -> None:
         """An empty cache returning evicted slots to `allocator`; `plants` (tests and self-test
@@ -85,6 +88,9 @@ class RadixCache:
         self._clock = 0
         self._cached = 0
         self._protected = 0
+        #: called as `(path tokens, node tokens, node slots)` just before an evicted node's slots
+        #: are released (a host tier backs the node up); None = no listener
+        self.evict_listener: Callable[[list[int], list[int], list[int]], None] | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -184,6 +190,8 @@ class RadixCache:
                     continue
             parent = leaf.parent
             assert parent is not None
+            if self.evict_listener is not None:
+                self.evict_listener(_path_tokens(leaf), leaf.key, leaf.slots)
             del parent.children[leaf.key[0]]
             self._cached -= len(leaf.key)
             freed += self._allocator.decref(leaf.slots)
@@ -357,6 +365,16 @@ def _depth(node: _Node) -> int:
         depth += len(parent.key)
         parent = parent.parent
     return depth
+
+
+def _path_tokens(node: _Node) -> list[int]:
+    """The tokens of the node's ancestors, root first (the sequence above the node)."""
+    parts: list[list[int]] = []
+    parent = node.parent
+    while parent is not None:
+        parts.append(parent.key)
+        parent = parent.parent
+    return [t for key in reversed(parts) for t in key]
 
 
 def _evictable_leaf(node: _Node) -> bool:
