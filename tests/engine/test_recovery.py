@@ -180,3 +180,42 @@ def test_engine_config_rejects_negative_retries() -> None:
 
 def test_plan_output_default_has_no_incidents() -> None:
     assert StepOutput(()).incidents == () and StepPlan  # the field is optional for runners
+
+
+def test_write_final_token_writes_the_last_token_before_finishing() -> None:
+    sched, runner, _ = make_scheduler(write_final_token=True)
+    sched.add_request("a", [1, 2, 3], 4)
+    got = _run(sched, runner)
+    assert got["a"] == expected_output("a", 3, 4, 97)
+    last = runner.plans[-1].chunks[0]
+    assert last.prefix_len == 3 + 4 - 1 and last.input_ids == (got["a"][-1],)
+    plain, plain_runner, _ = make_scheduler()
+    plain.add_request("a", [1, 2, 3], 4)
+    assert _run(plain, plain_runner) == got and len(plain_runner.plans) == len(runner.plans) - 1
+
+
+def test_an_incident_on_the_final_write_resamples_the_last_token() -> None:
+    sched, runner, _ = make_scheduler(write_final_token=True)
+    sched.add_request("a", [1, 2, 3], 2)
+    # plan 0 prefills and samples position 3, plan 1 decodes it and samples 4, plan 2 writes 4
+    got = _run_with_bad_token(sched, runner, plan_index=2, position=4)
+    assert got["a"] == expected_output("a", 3, 2, 97)
+    assert sched.stats().recoveries == 1 and sched.stats().requests_failed == 0
+
+
+def _run_with_bad_token(sched: Scheduler, runner: OracleRunner, *, plan_index: int,
+                        position: int) -> dict[str, list[int]]:  # fmt: skip
+    outputs: dict[str, list[int]] = {}
+    for n in range(100):
+        if not sched.has_work():
+            return outputs
+        plan = sched.schedule()
+        assert plan is not None
+        out = runner.run(plan)
+        if n == plan_index:
+            slot = plan.chunks[0].out_slots[0]
+            out = dataclasses.replace(out, incidents=(_incident(0, position, (slot,), TOKEN),))
+        for req in sched.postprocess(plan, out):
+            outputs[req.request_id] = list(req.output)
+        check_scheduler(sched)
+    raise AssertionError("did not go idle")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -165,6 +166,8 @@ def build_stack(
 ) -> Stack:
     """Pool, table, canary (None in mode `none`), model, runner and engine, wired together."""
     m, eng = settings.model, settings.engine
+    if settings.canary.recover:  # SPEC §14.3: every delivered token is written and checked first
+        eng = dataclasses.replace(eng, write_final_token=True)
     pool = KvPool(num_slots=eng.num_slots, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                   head_dim=m.head_dim, dtype=m.torch_dtype)  # fmt: skip
     table = TorchReqToTokenTable(

@@ -33,6 +33,10 @@ class EngineConfig:
         recovery_retries: recomputes a request may take after canary incidents (mode `recover`,
             SPEC §14.3) before the next incident ends it with `finish_reason="kv_corruption"`;
             0 fails at the first incident.
+        write_final_token: run one more forward for a request's last sampled token before it
+            finishes, so the canary's write-input assert checks that token before delivery
+            (set with mode `recover`: a token swapped at the sampler is otherwise never written
+            and so never checked). Skipped when the sequence fills `max_context_len`.
     """
 
     num_slots: int
@@ -49,6 +53,7 @@ class EngineConfig:
     plant_warmup_steps: int = 10
     plant_max_fires: int = 1
     recovery_retries: int = 2
+    write_final_token: bool = False
 
     def __post_init__(self) -> None:
         _at_least("num_slots", self.num_slots, 2, "slot 0 is reserved; give the pool more slots")

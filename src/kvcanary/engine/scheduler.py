@@ -270,10 +270,16 @@ class Scheduler:
                 continue
             self._apply(req, chunk, out.sampled, verify=plan.kind is ForwardKind.VERIFY)
             self._note_caught_up(req)
-            if req.is_done:
+            if req.is_done and self._final_token_checked(req):
                 self._finish(req)
                 finished.append(req)
         return finished
+
+    def _final_token_checked(self, req: Request) -> bool:
+        """False while `write_final_token` still owes the last sampled token one forward."""
+        if not self._config.write_final_token or req.num_computed >= req.seq_len:
+            return True
+        return req.seq_len > self._config.max_context_len  # no column left to write it into
 
     def on_incidents(self, incidents: Sequence[Incident]) -> list[Request]:
         """Act on incidents outside a forward (SWEEP, landed transfers): evict the failing slots
@@ -307,7 +313,7 @@ class Scheduler:
         if speculate:
             k = min(
                 self._config.speculative_num_draft_tokens,
-                req.remaining_new_tokens - 1,
+                max(0, req.remaining_new_tokens - 1),
                 self._config.max_context_len - req.seq_len,
             )
         if self._budget < k + 1:
