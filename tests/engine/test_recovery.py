@@ -219,3 +219,28 @@ def _run_with_bad_token(sched: Scheduler, runner: OracleRunner, *, plan_index: i
             outputs[req.request_id] = list(req.output)
         check_scheduler(sched)
     raise AssertionError("did not go idle")
+
+
+def test_recovery_never_frees_a_slot_another_request_owns() -> None:
+    """A bookkeeping bug left `a` listing `b`'s slot without a reference of its own (what
+    `radix_evict_locked` does): recovering `a` must not give that reference back."""
+    sched, runner, table = make_scheduler()
+    sched.add_request("a", [1, 2, 3, 4], 5)
+    sched.add_request("b", [5, 6, 7, 8], 5)
+    plan = sched.schedule()
+    assert plan is not None
+    sched.postprocess(plan, runner.run(plan))
+    a, b = sched.get("a"), sched.get("b")
+    stolen = b.slots[1]
+    a.slots[2] = stolen  # the bug: a lists b's slot (its own reference to slot 2 is lost)
+    table.write(a.row, 2, [stolen])
+    assert sched.kv.allocator.refcount(stolen) == 1  # b's reference only
+    runner._check_history = lambda chunk: None  # type: ignore[method-assign]  # the fake would object
+    plan = sched.schedule()
+    assert plan is not None
+    index = [c.request_id for c in plan.chunks].index("a")
+    out = dataclasses.replace(runner.run(plan), incidents=(_incident(index, 2, (stolen,)),))
+    sched.postprocess(plan, out)
+    assert a.num_computed == 2 and stolen not in a.slots
+    assert sched.kv.allocator.refcount(stolen) == 1  # still b's
+    assert stolen in b.slots

@@ -32,6 +32,7 @@ class RowDamage:
     first_position: int
     bad_input_token: bool
     reasons_bits: int
+    slots: frozenset[int] = frozenset()  # failing slots named for this chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,8 @@ def damage_by_chunk(incidents: Iterable[Incident], num_chunks: int) -> dict[int,
                 elif old.first_position == pos:
                     bad = bad or old.bad_input_token
             bits = row.fail_reason_bits | (old.reasons_bits if old is not None else 0)
-            out[row.view_row] = RowDamage(pos, bad, bits)
+            slots = frozenset(row.slots) | (old.slots if old is not None else frozenset())
+            out[row.view_row] = RowDamage(pos, bad, bits, slots)
     return out
 
 

@@ -295,7 +295,7 @@ class Scheduler:
         failed: list[Request] = []
         for req in list(self._running):
             hit = next((p for p, s in enumerate(req.slots[: req.num_computed]) if s in bad), None)
-            if hit is not None and self._recover(req, RowDamage(hit, False, bits)):
+            if hit is not None and self._recover(req, RowDamage(hit, False, bits, frozenset(bad))):
                 failed.append(req)
         return failed
 
@@ -456,7 +456,9 @@ class Scheduler:
             prompt_len=len(req.prompt), seq_len=req.seq_len, num_computed=req.num_computed,
             position=damage.first_position, bad_input_token=damage.bad_input_token,
         )  # fmt: skip
-        self._kv.truncate(req, point.keep_computed)
+        self._kv.truncate(
+            req, point.keep_computed, self._phantom_refs(req, point.keep_computed, damage)
+        )
         del req.output[max(0, point.keep_tokens - len(req.prompt)) :]
         req.recoveries += 1
         req.recover_target = max(req.recover_target, before)
@@ -464,6 +466,17 @@ class Scheduler:
         self._counters.recoveries += 1
         self._counters.recompute_tokens += before - point.keep_computed
         return False
+
+    def _phantom_refs(self, req: Request, start: int, damage: RowDamage) -> set[int]:
+        """Failing slots `req` lists from `start` on whose every reference is held by other
+        running requests: `req`'s own reference was lost to a bookkeeping bug, so `req` must
+        not give it back (that would free a slot another request owns; SPEC §14.3)."""
+        out: set[int] = set()
+        for slot in set(req.slots[start:]) & damage.slots:
+            others = sum(slot in r.slots for r in self._running if r is not req)
+            if self._kv.allocator.refcount(slot) <= others:
+                out.add(slot)
+        return out
 
     def _note_caught_up(self, req: Request) -> None:
         if req.recover_target and req.num_computed >= req.recover_target:
