@@ -25,7 +25,6 @@ from kvcanary.canary import (
     Canary,
     CanaryConfig,
     CanaryContractError,
-    CanaryLaunchCapacities,
     CanaryMode,
     RealDataMode,
     install,
