@@ -39,7 +39,7 @@ def test_the_plugin_is_registered_with_vllm() -> None:
         (["--model", "/nonexistent"], "kvcanary vllm: --model /nonexistent has no config.json; pass a local model directory or --tiny"),
         (["--faults", "bogus"], "--faults: unknown fault 'bogus'; choose from all, none, block_table_swap, kv_flip_used, kv_flip_cached, stale_prefix_hit"),
         (["--faults", "all", "--kv-canary-sweep-interval", "0"], "kvcanary vllm: --faults needs --kv-canary-sweep-interval > 0 (kv_flip_cached is found by the sweep)"),
-        (["--kv-canary", "maybe"], "kv-canary: kv_canary must be one of none/log/raise, got 'maybe'"),
+        (["--kv-canary", "maybe"], "kv-canary: kv_canary must be one of none/log/raise/recover, got 'maybe'"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
