@@ -10,8 +10,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcanary.adapters.vllm.view import build_forward_view, paged_req_to_token, split_waves
 from kvcanary.adapters.vllm.sweep import ParentLedger, SnapshotWalker, expand, snapshot_pool
+from kvcanary.adapters.vllm.view import build_forward_view, paged_req_to_token, split_waves
 
 
 @given(

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
     from kvcanary.adapters.vllm.worker import CanaryWorker
 
-__all__ = ["KVCanaryConnector", "KVCanaryStats", "VIOLATION_REASONS"]
+__all__ = ["VIOLATION_REASONS", "KVCanaryConnector", "KVCanaryStats"]
 
 logger = logging.getLogger("kvcanary")
 
@@ -310,8 +310,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if not self.config.enabled:
             return meta
         scheduler_output.has_sync_kv_loads = True
-        if int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)) <= 0:
-            return meta  # no forward: the worker's canary does not step
+        if int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)) <= 0 or STATE.bypass:
+            return meta  # no canary step this forward (no forward, or a bench's canary-off arm)
         step, self._forward_steps = self._forward_steps, self._forward_steps + 1
         interval = self.config.sweep_interval
         if interval > 0 and step % interval == 0 and self._pool is not None:

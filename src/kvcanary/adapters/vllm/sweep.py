@@ -131,5 +131,4 @@ class SnapshotWalker:
             self.missed += 1
             return
         self.walks += 1
-        for slot, pos, prev in expand(snap, unlocked_only).tolist():
-            yield slot, pos, prev
+        yield from (tuple(e) for e in expand(snap, unlocked_only).tolist())

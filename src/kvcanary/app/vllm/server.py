@@ -9,6 +9,7 @@ bounded concurrency; `scrape` reads `/metrics`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -118,10 +119,8 @@ class VllmServer:
                 p.wait(timeout=30)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)  # stragglers (engine core, workers)
-        except ProcessLookupError:
-            pass
         p.wait()
         self.process = None
 
