@@ -50,6 +50,15 @@ def test_swap_is_recovered_where_log_mode_delivers_it() -> None:
     assert case.log_corrupted_delivered is not None and case.log_corrupted_delivered > 0
 
 
+def test_tiny_model_shows_the_damage_log_mode_delivers() -> None:
+    """With outputs that depend on the KV, a planted eviction bug corrupts outputs in log mode;
+    recover mode delivers none of them."""
+    case = run_outcome_case(CampaignSpec(seeds=1, model="tiny"), 0, plant="radix_evict_locked")
+    assert case.log_corrupted_delivered is not None and case.log_corrupted_delivered > 0
+    assert case.corrupted_delivered == 0 and case.recover.failed == 0
+    assert case.recover.incidents > 0
+
+
 def test_selftest_recover_cli_json(tmp_path: Path) -> None:
     out, page = tmp_path / "r.json", tmp_path / "r.html"
     result = CliRunner().invoke(

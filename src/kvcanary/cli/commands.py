@@ -254,6 +254,13 @@ def selftest(
             "delivered (vs a fault-free run, log mode side by side)",
         ),
     ] = "log",
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="tiny: serve every case with the tiny transformer (outputs depend on the KV, so "
+            "log mode's damage shows); default: the token oracle (tiny for spec_rollback_stale)"
+        ),
+    ] = None,
 ) -> None:
     """Inject every fault mode and planted bug on many seeds; prove each is caught 1:1.
 
@@ -266,7 +273,7 @@ def selftest(
     try:
         spec = CampaignSpec(
             modes=_names(modes, CAMPAIGN_MODES), plants=_names(plants, PLANT_NAMES), seeds=seeds,
-            first_seed=first_seed,
+            first_seed=first_seed, model=model,
         )  # fmt: skip
         selftest_mode = parse_mode(kv_canary)
         if selftest_mode not in (CanaryModeValue.LOG, CanaryModeValue.RECOVER):

@@ -234,6 +234,7 @@ def outcome_json(summaries: list[OutcomeSummary], spec: CampaignSpec) -> dict[st
     """The `--json` document of a recover-mode self-test."""
     return {
         "kv_canary_mode": "recover",
+        "model": spec.model or "oracle (tiny for spec_rollback_stale)",
         "seeds": spec.seeds,
         "first_seed": spec.first_seed,
         "passed": all(s.passed for s in summaries),
