@@ -13,10 +13,10 @@ import pytest
 BAD = [
     (["check-config", "--speculative-num-draft-tokens", "-1"], {}, "kv-canary: speculative_num_draft_tokens must be non-negative, got -1"),
     (["run", "--speculative-num-draft-tokens", "-1"], {}, "kv-canary: speculative_num_draft_tokens must be non-negative, got -1"),
-    (["check-config", "--kv-canary", "maybe"], {}, "kv-canary: kv_canary must be one of none/log/raise, got 'maybe'"),
+    (["check-config", "--kv-canary", "maybe"], {}, "kv-canary: kv_canary must be one of none/log/raise/recover, got 'maybe'"),
     (["check-config", "--kv-canary-real-data", "some"], {}, "kv-canary: kv_canary_real_data must be one of none/partial/all, got 'some'"),
     (["check-config", "--kv-canary", "log", "--kv-canary-sweep-interval", "-2"], {}, "kv-canary: kv_canary_sweep_interval must be non-negative, got -2"),
-    (["check-config", "--kv-canary-sweep-interval", "3"], {}, "kv-canary: kv_canary_sweep_interval=3 requires kv_canary mode log or raise"),
+    (["check-config", "--kv-canary-sweep-interval", "3"], {}, "kv-canary: kv_canary_sweep_interval=3 requires kv_canary mode log, raise or recover"),
     (["check-config", "--req-to-token-pool-size", "0"], {}, "kv-canary: req_to_token_pool_size must be positive, got 0"),
     (["check-config", "--max-seq-len-per-req", "0"], {}, "kv-canary: max_seq_len_per_req must be positive, got 0"),
     (["check-config", "--pool-slot-count", "-5"], {}, "kv-canary: pool_slot_count must be positive, got -5"),

@@ -9,7 +9,7 @@ from typing import IO, Any
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from kvcanary.contract import Violation, fail_reason_labels, tag_name
+from kvcanary.contract import Incident, Violation, fail_reason_labels, tag_name
 
 __all__ = ["EventLog", "RunMetrics", "StepObserver"]
 
@@ -47,6 +47,10 @@ class RunMetrics:
             "kvcanary_violations", "Violations by reason and launch tag", ["reason", "launch_tag"],
             registry=self.registry,
         )  # fmt: skip
+        self.incidents = Counter(
+            "kvcanary_incidents", "Incidents handed to the engine (mode recover) by stage and tag",
+            ["stage", "launch_tag"], registry=self.registry,
+        )  # fmt: skip
         if port is not None:
             start_http_server(port, registry=self.registry)
 
@@ -68,8 +72,15 @@ class StepObserver:
         protected: int,
         sweeps: int,
         violations: list[Violation],
+        incidents: list[Incident] | None = None,
     ) -> None:
-        """Record one step: its summary and each violation it reported."""
+        """Record one step: its summary, each violation it reported and each incident (mode
+        `recover`, one JSON object per incident: `{"event": "incident", ...}`)."""
+        for incident in incidents or ():
+            if self.events is not None:
+                self.events.write("incident", **incident.as_json())
+            if self.metrics is not None:
+                self.metrics.incidents.labels(incident.stage, incident.tag_name).inc()
         for v in violations:
             labels = fail_reason_labels(v.fail_reason_bits)
             if self.events is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from kvcanary.canary import (
 from kvcanary.contract import (
     CanaryHooks,
     ForwardView,
+    Incident,
     NullHooks,
     PrefixCacheWalker,
     TokenOracle,
@@ -71,6 +73,7 @@ class TimedHooks:
         self.inner = inner
         self.seconds = 0.0
         self.violations: list[Violation] = []
+        self.incidents: list[Incident] = []  # every incident the engine took (mode recover)
 
     def _timed(self, fn: Callable[..., None], **kwargs: Any) -> None:
         start = time.perf_counter()
@@ -107,6 +110,12 @@ class TimedHooks:
     def drain_violations(self) -> list[Violation]:
         """Everything collected so far."""
         return list(self.violations)
+
+    def take_incidents(self) -> list[Incident]:
+        """Forwarded (and kept in `incidents` for the events and the summary)."""
+        new = self.inner.take_incidents()
+        self.incidents.extend(new)
+        return new
 
 
 def build_canary(
@@ -157,6 +166,8 @@ def build_stack(
 ) -> Stack:
     """Pool, table, canary (None in mode `none`), model, runner and engine, wired together."""
     m, eng = settings.model, settings.engine
+    if settings.canary.recover:  # SPEC §14.3: every delivered token is written and checked first
+        eng = dataclasses.replace(eng, write_final_token=True)
     pool = KvPool(num_slots=eng.num_slots, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                   head_dim=m.head_dim, dtype=m.torch_dtype)  # fmt: skip
     table = TorchReqToTokenTable(
@@ -186,7 +197,7 @@ def run_session(
     planned = build_workload(settings.workload)
     pending = list(planned)
     aborts: dict[int, list[str]] = {}
-    steps, stopped, aborted, reported = 0, False, 0, 0
+    steps, stopped, aborted, reported, incidents_reported = 0, False, 0, 0, 0
     start = time.perf_counter()
     while pending or engine.has_work():
         while pending and pending[0].arrival_step <= steps:
@@ -206,7 +217,10 @@ def run_session(
         if observer is not None:
             new = hooks.violations[reported:]
             reported = len(hooks.violations)
+            new_incidents = hooks.incidents[incidents_reported:]
+            incidents_reported = len(hooks.incidents)
             observer.on_step(
+                incidents=new_incidents,
                 step=steps - 1,
                 stats=asdict(engine.stats()),
                 protected=sum(canary.slot_run_counter.values()) if canary else 0,
@@ -244,4 +258,12 @@ def run_session(
         "canary_mode": settings.canary.mode.value,
         "seed": settings.workload.seed,
     }
+    if settings.canary.recover:  # SPEC §14.3: what recover mode did
+        figures |= {
+            "incidents": len(hooks.incidents),
+            "requests_recovered": stats.requests_recovered,
+            "requests_failed": stats.requests_failed,
+            "recoveries": stats.recoveries,
+            "recompute_tokens": stats.recompute_tokens,
+        }
     return RunSummary(figures, tuple(hooks.violations), stopped)
