@@ -38,7 +38,12 @@ def test_unknown_mode_is_a_one_line_error() -> None:
     runner = CliRunner()
     with runner.isolation() as (_, err, _):
         assert main(["selftest", "--modes", "bogus"]) == 2
-        assert err.getvalue().decode().strip().startswith(
-            "kvcanary selftest: --modes: unknown mode 'bogus'; choose from req_to_token,"
+        assert (
+            err.getvalue()
+            .decode()
+            .strip()
+            .startswith(
+                "kvcanary selftest: --modes: unknown mode 'bogus'; choose from req_to_token,"
+            )
         )
     assert CliRunner().invoke(app, ["selftest", "--modes", "bogus"]).exit_code == 2

@@ -25,6 +25,15 @@ def test_mode_parsing_is_case_insensitive_and_stripped() -> None:
     assert build(kv_canary="OFF").mode is CanaryMode.NONE
     assert build(kv_canary="Raise").mode is CanaryMode.RAISE
     assert build(kv_canary_real_data=" Partial ").real_data is RealDataMode.PARTIAL
+    assert build(kv_canary=" ReCoVeR ").mode is CanaryMode.RECOVER
+
+
+def test_recover_implies_the_verify_token_assert() -> None:
+    assert build(kv_canary="recover").verify_token_check
+    assert build(kv_canary="recover").recover
+    assert not build(kv_canary="log").verify_token_check
+    assert build({"KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"}).verify_token_check
+    assert build(kv_canary="recover", kv_canary_sweep_interval=3).sweep_interval == 3
 
 
 def test_defaults() -> None:
@@ -35,10 +44,10 @@ def test_defaults() -> None:
 
 
 BAD = [
-    (dict(kv_canary="maybe"), {}, "kv-canary: kv_canary must be one of none/log/raise, got 'maybe'"),
+    (dict(kv_canary="maybe"), {}, "kv-canary: kv_canary must be one of none/log/raise/recover, got 'maybe'"),
     (dict(kv_canary_real_data="some"), {}, "kv-canary: kv_canary_real_data must be one of none/partial/all, got 'some'"),
     (dict(kv_canary_sweep_interval=-1), {}, "kv-canary: kv_canary_sweep_interval must be non-negative, got -1"),
-    (dict(kv_canary="none", kv_canary_sweep_interval=5), {}, "kv-canary: kv_canary_sweep_interval=5 requires kv_canary mode log or raise"),
+    (dict(kv_canary="none", kv_canary_sweep_interval=5), {}, "kv-canary: kv_canary_sweep_interval=5 requires kv_canary mode log, raise or recover"),
     ({}, {"KVCANARY_RING_CAPACITY": "0"}, "kv-canary: ViolationLog ring_capacity must be positive, got 0"),
     ({}, {"KVCANARY_ENABLE_V": "perhaps"}, "kv-canary: KVCANARY_ENABLE_V must be a boolean (1/0/true/false/yes/no/on/off), got 'perhaps'"),
     ({}, {"KVCANARY_STATS_PRINT_EVERY_N_STEPS": "ten"}, "kv-canary: KVCANARY_STATS_PRINT_EVERY_N_STEPS must be an integer, got 'ten'"),

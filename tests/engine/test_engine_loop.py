@@ -6,6 +6,7 @@ import pytest
 from engine_fakes import OracleRunner, check_scheduler, expected_output
 
 from kvcanary.contract import PrefixCacheWalker, Violation
+from kvcanary.contract.incident import Incident
 from kvcanary.engine.config import EngineConfig
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.plan import ForwardKind, SamplingSpec, StepPlan
@@ -38,6 +39,9 @@ class RecordingHooks:
         self.end_steps += 1
 
     def drain_violations(self) -> list[Violation]:
+        return []
+
+    def take_incidents(self) -> list[Incident]:
         return []
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvcanary.contract import ForwardView, PrefixCacheWalker, TokenOracle, Violation
+from kvcanary.contract.incident import Incident
 from kvcanary.engine.kv_pool import KvPool
 from kvcanary.engine.model import ModelConfig, TinyLlama
 from kvcanary.engine.oracle_model import OracleModel, synthetic_kv
@@ -54,6 +55,9 @@ class RecordingHooks:
         self.log.append(("end_step", None))
 
     def drain_violations(self) -> list[Violation]:
+        return []
+
+    def take_incidents(self) -> list[Incident]:
         return []
 
 

@@ -17,7 +17,14 @@ from typing import IO, Any
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from kvcanary.contract import FailReason, LaunchTag, Violation, fail_reason_labels, tag_name
+from kvcanary.contract import (
+    FailReason,
+    Incident,
+    LaunchTag,
+    Violation,
+    fail_reason_labels,
+    tag_name,
+)
 
 __all__ = ["EventLog", "RunMetrics", "StepObserver", "jsonable"]
 
@@ -57,6 +64,10 @@ class RunMetrics:
             "kvcanary_violations", "Violations by reason and launch tag", ["reason", "launch_tag"],
             registry=self.registry,
         )  # fmt: skip
+        self.incidents = Counter(
+            "kvcanary_incidents", "Incidents handed to the engine (mode recover) by stage and tag",
+            ["stage", "launch_tag"], registry=self.registry,
+        )  # fmt: skip
         for tag in LaunchTag:
             for reason in FailReason:
                 self.violations.labels(reason.label, tag.name)  # 0 from the start
@@ -93,8 +104,15 @@ class StepObserver:
         sweeps: int,
         violations: list[Violation],
         injections: Sequence[Any] = (),
+        incidents: list[Incident] | None = None,
     ) -> None:
-        """Record one step: the faults injected in it, its summary and each violation."""
+        """Record one step: the faults injected in it, its summary, each violation and each
+        incident (mode `recover`, one JSON object per incident: `{"event": "incident", ...}`)."""
+        for incident in incidents or ():
+            if self.events is not None:
+                self.events.write("incident", **incident.as_json())
+            if self.metrics is not None:
+                self.metrics.incidents.labels(incident.stage, incident.tag_name).inc()
         if self.events is not None:
             for inj in injections:
                 self.events.write("injection", engine_step=step, **_fields(inj))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from kvcanary.canary import (
 from kvcanary.contract import (
     CanaryHooks,
     ForwardView,
+    Incident,
     NullHooks,
     PrefixCacheWalker,
     TokenOracle,
@@ -87,6 +89,7 @@ class TimedHooks:
         self.inner = inner
         self.seconds = 0.0
         self.violations: list[Violation] = []
+        self.incidents: list[Incident] = []  # every incident the engine took (mode recover)
 
     def _timed(self, fn: Callable[..., None], **kwargs: Any) -> None:
         start = time.perf_counter()
@@ -123,6 +126,12 @@ class TimedHooks:
     def drain_violations(self) -> list[Violation]:
         """Everything collected so far."""
         return list(self.violations)
+
+    def take_incidents(self) -> list[Incident]:
+        """Forwarded (and kept in `incidents` for the events and the summary)."""
+        new = self.inner.take_incidents()
+        self.incidents.extend(new)
+        return new
 
 
 def build_canary(
@@ -173,6 +182,8 @@ def build_stack(
 ) -> Stack:
     """Pool, table, canary (None in mode `none`), model, runner and engine, wired together."""
     m, eng = settings.model, settings.engine
+    if settings.canary.recover:  # SPEC §14.3: every delivered token is written and checked first
+        eng = dataclasses.replace(eng, write_final_token=True)
     pool = KvPool(num_slots=eng.num_slots, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                   head_dim=m.head_dim, dtype=m.torch_dtype)  # fmt: skip
     table = TorchReqToTokenTable(
@@ -203,6 +214,7 @@ def run_session(
     pending = list(planned)
     aborts: dict[int, list[str]] = {}
     steps, stopped, aborted, reported, injected = 0, False, 0, 0, 0
+    incidents_reported = 0
     stop_message: str | None = None
     interrupted: str | None = None
     start = time.perf_counter()
@@ -228,7 +240,10 @@ def run_session(
                 reported = len(hooks.violations)
                 journal = canary.injections() if canary is not None else []
                 injected, new_faults = len(journal), journal[injected:]
+                new_incidents = hooks.incidents[incidents_reported:]
+                incidents_reported = len(hooks.incidents)
                 observer.on_step(
+                    incidents=new_incidents,
                     step=steps - 1,
                     stats=asdict(engine.stats()),
                     protected=sum(canary.slot_run_counter.values()) if canary else 0,
@@ -269,6 +284,14 @@ def run_session(
         "canary_mode": settings.canary.mode.value,
         "seed": settings.workload.seed,
     }
+    if settings.canary.recover:  # SPEC §14.3: what recover mode did
+        figures |= {
+            "incidents": len(hooks.incidents),
+            "requests_recovered": stats.requests_recovered,
+            "requests_failed": stats.requests_failed,
+            "recoveries": stats.recoveries,
+            "recompute_tokens": stats.recompute_tokens,
+        }
     if interrupted is not None:
         figures["interrupted"] = interrupted
     return RunSummary(figures, tuple(hooks.violations), stopped, stop_message, interrupted)

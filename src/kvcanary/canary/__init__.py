@@ -6,6 +6,7 @@ from kvcanary.canary.errors import CanaryContractError, CanaryHealthError, Canar
 from kvcanary.canary.install import install
 from kvcanary.canary.perturb_seam import PerturbHooks, PerturbRecord
 from kvcanary.canary.runtime import Canary
+from kvcanary.canary.transfer import CanarySidecars
 
 __all__ = [
     "Canary",
@@ -14,6 +15,7 @@ __all__ = [
     "CanaryHealthError",
     "CanaryLaunchCapacities",
     "CanaryMode",
+    "CanarySidecars",
     "CanaryViolationError",
     "PerturbConfig",
     "PerturbHooks",

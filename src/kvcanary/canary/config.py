@@ -47,11 +47,13 @@ _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
 
 
 class CanaryMode(enum.Enum):
-    """`none`: not installed; `log`: report and keep serving; `raise`: fail on first mismatch."""
+    """`none`: not installed; `log`: report and keep serving; `raise`: fail on first mismatch;
+    `recover`: report as `log` and hand the engine incidents to act on (SPEC §14.3)."""
 
     NONE = "none"
     LOG = "log"
     RAISE = "raise"
+    RECOVER = "recover"
 
 
 class RealDataMode(enum.Enum):
@@ -70,7 +72,7 @@ def parse_mode(value: str) -> CanaryMode:
         return CanaryMode(word)
     except ValueError:
         raise ValueError(
-            f"kv-canary: kv_canary must be one of none/log/raise, got {value!r}"
+            f"kv-canary: kv_canary must be one of none/log/raise/recover, got {value!r}"
         ) from None
 
 
@@ -127,7 +129,7 @@ class CanaryConfig:
         if self.sweep_interval > 0 and self.mode is CanaryMode.NONE:
             raise ValueError(
                 f"kv-canary: kv_canary_sweep_interval={self.sweep_interval} requires kv_canary "
-                "mode log or raise"
+                "mode log, raise or recover"
             )
         if self.ring_capacity <= 0:
             raise ValueError(
@@ -139,6 +141,17 @@ class CanaryConfig:
     def enabled(self) -> bool:
         """True unless the mode is `none`."""
         return self.mode is not CanaryMode.NONE
+
+    @property
+    def recover(self) -> bool:
+        """True in mode `recover`: detections become incidents (SPEC §14.3)."""
+        return self.mode is CanaryMode.RECOVER
+
+    @property
+    def verify_token_check(self) -> bool:
+        """The verify-token assert: on when enabled, and always in mode `recover` (where the
+        engine provides truth tokens)."""
+        return self.enable_verify_token_assert or self.recover
 
     @classmethod
     def from_args_and_env(

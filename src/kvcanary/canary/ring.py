@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcanary.canary.report import make_violation
+from kvcanary.contract.tags import fail_reason_labels, tag_name
 from kvcanary.contract.violation import Violation
 
 __all__ = ["RING_COLUMNS", "ViolationRing"]
@@ -19,8 +21,11 @@ RING_COLUMNS = 8
 class ViolationRing:
     """`[capacity, 8]` int64 rows plus a monotonic write index.
 
-    Kernels append through `words` (the u64 view) and `state` (`state[0]` = write index). Row 0 is
-    always the first violation; rows past capacity are dropped while the index keeps counting.
+    Kernels append through `words` (the u64 view) and `state` (`state[0]` = write index), or
+    the canary appends a pass's rows with `absorb`. Row 0 is always the first violation; rows
+    past capacity are dropped while the index keeps counting. Dropped rows absorbed this way
+    still reach the log: the pump summarises them by tag and reason, at most one line per step,
+    so a long-running server never goes silent after the ring fills.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -36,6 +41,24 @@ class ViolationRing:
         self._full_notice_logged = False
         self._reported: list[Violation] = []
         self._drained = 0
+        self._dropped: Counter[tuple[str, str]] = Counter()
+        self._dropped_rows = 0
+        self._last_summary_step: int | None = None
+
+    def absorb(self, rows: npt.NDArray[np.int64]) -> None:
+        """Append `rows` (`[n, 8]`, in order) with fill-once semantics, counting every one."""
+        start = self.write_index
+        self.state[0] = start + len(rows)
+        room = max(0, min(len(rows), self.capacity - start))
+        if room:
+            self.rows[start : start + room] = rows[:room]
+        dropped = rows[room:]
+        if len(dropped):
+            self._dropped_rows += len(dropped)
+            pairs, counts = np.unique(dropped[:, [0, 7]], axis=0, return_counts=True)
+            for (kind, bits), n in zip(pairs.tolist(), counts.tolist(), strict=True):
+                for label in fail_reason_labels(bits) or ["none"]:
+                    self._dropped[tag_name(kind), label] += n
 
     @property
     def write_index(self) -> int:
@@ -70,7 +93,28 @@ class ViolationRing:
         ]
         self._last_reported = end
         self._reported.extend(new)
+        self._summarise_dropped(step, total)
         return new
+
+    def _summarise_dropped(self, step: int, total: int) -> None:
+        """One WARNING line per step at most for rows the full ring could not hold."""
+        if not self._dropped_rows or self._last_summary_step == step:
+            return
+        self._last_summary_step = step
+        counts = ", ".join(
+            f"{tag}/{label}={n}" for (tag, label), n in sorted(self._dropped.items())
+        )
+        logger.warning(
+            "kv-canary: %d further violations not kept by the full ring (capacity=%d) up to "
+            "step=%d, total=%d: %s",
+            self._dropped_rows,
+            self.capacity,
+            step,
+            total,
+            counts,
+        )
+        self._dropped.clear()
+        self._dropped_rows = 0
 
     def drain(self) -> list[Violation]:
         """Violations pumped since the previous drain, in ring order."""

@@ -16,14 +16,17 @@ from kvcanary.canary.buffers import GroupBuffers
 from kvcanary.canary.capacities import CanaryLaunchCapacities
 from kvcanary.canary.config import CanaryConfig, CanaryMode
 from kvcanary.canary.errors import CanaryHealthError, CanaryViolationError
+from kvcanary.canary.incidents import IncidentCollector, PassRows
 from kvcanary.canary.kernels import KERNEL_IMPLEMENTATIONS
 from kvcanary.canary.monitors import HealthChecker, stats_line, warn_verify_overflow
 from kvcanary.canary.perturb_seam import PerturbHooks, PerturbRecord
 from kvcanary.canary.plan import GroupPlan, ViewSnapshot, build_group_plan, snapshot_view
 from kvcanary.canary.ring import ViolationRing
 from kvcanary.canary.sources import FoldSources
+from kvcanary.canary.view_checks import walker_entries
 from kvcanary.contract.errors import CanaryContractError
 from kvcanary.contract.groups import BufferGroupSpec, GroupKind
+from kvcanary.contract.incident import Incident
 from kvcanary.contract.oracle import TokenOracle
 from kvcanary.contract.tags import LaunchTag
 from kvcanary.contract.view import ForwardView
@@ -103,6 +106,8 @@ class Canary:
             GroupBuffers(g, real_data=config.real_data, enable_v=config.enable_v) for g in ordered
         )
         self.ring = ViolationRing(config.ring_capacity)
+        self._pass_rows = PassRows()  # every pass records here first, then into the ring
+        self._incidents = IncidentCollector()
         self.kernel_run_counter = dict.fromkeys(LaunchTag, 0)
         self.slot_run_counter = dict.fromkeys(LaunchTag, 0)
         self.step = 0
@@ -133,7 +138,7 @@ class Canary:
             view,
             capacities=self.capacities,
             write_assert=self.config.enable_write_input_assert and self.token_oracle is not None,
-            token_check=self.config.enable_verify_token_assert,
+            token_check=self.config.verify_token_check,
         )
         plans = {g.name: self._plan_group(g, snap) for g in self.groups}
         self._open = _OpenForward(snap, plans)
@@ -182,6 +187,43 @@ class Canary:
     def drain_violations(self) -> list[Violation]:
         """Violations reported since the previous drain, in ring order (every mode)."""
         return self.ring.drain()
+
+    def take_incidents(self) -> list[Incident]:
+        """Incidents since the previous call (mode `recover` only; SPEC §14.3). Every violation
+        counts, whether or not the fill-once ring still had room for its details."""
+        return self._incidents.take()
+
+    def verify_entries(
+        self,
+        *,
+        group: str,
+        slots: npt.NDArray[np.int64],
+        prevs: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        tokens: npt.NDArray[np.int64],
+    ) -> None:
+        """Verify entries no forward planned (landed transfers, SPEC §14.4) in the HEAD buffer
+        (HEAD tags, no sources) and the TAIL buffer (TAIL tags and sources), then pump. The
+        caller range-checks the slots (`canary.transfer`); no forward may be open."""
+        if self._open is not None:
+            raise CanaryContractError("kv-canary: verify of landed slots while a forward is open")
+        g = self.group(group)
+        with _launch_threads(len(slots)):
+            for stage in ("head", "tail"):
+                for half in g.halves:
+                    tag = LaunchTag.of(stage, half, g.name)
+                    rows = self._verify(
+                        tag, g.words(stage, half),
+                        g.stage_sources(stage, half), slots, prevs, positions, tokens,
+                    )  # fmt: skip
+                    if len(rows) and self.config.recover:
+                        # a landed slot belongs to no view row: a slot-only incident, like SWEEP
+                        self._incidents.sweep_pass(
+                            tag=int(tag), step=self.step, rows=rows,
+                            walked=np.stack([slots, positions, prevs], axis=1), group_slots=slots,
+                            stage=stage,
+                        )  # fmt: skip
+        self._pump()
 
     # ----------------------------------------------------------------- introspection
     @property
@@ -235,6 +277,7 @@ class Canary:
             window=g.window,
             offset=g.offset,
             verify_capacity=self.capacities.verify_capacity,
+            marks=g.write_marks,
         )
         if plan.overflow:
             warn_verify_overflow(plan.verify_total, self.capacities.verify_capacity)
@@ -253,15 +296,30 @@ class Canary:
                 tag = LaunchTag.of(stage, half, g.name)
                 words, src = g.words(stage, half), g.stage_sources(stage, half)
                 if not plan.overflow:
-                    self._verify(tag, words, src, plan.v_slot, plan.v_prev, plan.v_pos, plan.v_tok)
+                    rows = self._verify(
+                        tag, words, src, plan.v_slot, plan.v_prev, plan.v_pos, plan.v_tok
+                    )
+                    if len(rows) and self.config.recover:
+                        self._incidents.verify_pass(
+                            stage=stage, tag=int(tag), step=self.step, rows=rows, snap=snap,
+                            plan=plan, words=words, src=src, window=g.window,
+                        )  # fmt: skip
                 else:
                     self.kernel_run_counter[tag] += 1
+                scratch = self._pass_rows
+                scratch.prepare(2 * len(plan.w_slots))  # write-input + chain-position per entry
                 self._kernels.write(
-                    words, plan.seeds, plan.req_offsets, plan.w_slots, snap.input_ids,
+                    words, plan.seeds, plan.req_offsets, plan.w_slots, plan.shadowed, snap.input_ids,
                     snap.positions, snap.write_assert, snap.expected_tokens,
                     snap.expected_positions, chain_position, *src.words, src.params, src.count,
-                    int(tag), self.ring.words, self.ring.state,
+                    int(tag), scratch.words, scratch.state,
                 )  # fmt: skip
+                rows = scratch.take()
+                self.ring.absorb(rows)
+                if len(rows) and self.config.recover:
+                    self._incidents.write_pass(
+                        stage=stage, tag=int(tag), step=self.step, rows=rows, snap=snap, plan=plan
+                    )
                 self.kernel_run_counter[tag] += 1
                 self.slot_run_counter[tag] += plan.num_writes
 
@@ -274,19 +332,23 @@ class Canary:
         prevs: npt.NDArray[np.int64],
         positions: npt.NDArray[np.int64],
         tokens: npt.NDArray[np.int64],
-    ) -> None:
+    ) -> npt.NDArray[np.int64]:
+        """One verify pass; returns its rows (also appended to the ring)."""
+        scratch = self._pass_rows
+        scratch.prepare(len(slots))  # at most one row per entry
         self._kernels.verify(
             words, slots, prevs, positions, tokens, *src.words, src.params, src.count,
-            int(tag), self.ring.words, self.ring.state,
+            int(tag), scratch.words, scratch.state,
         )  # fmt: skip
+        rows = scratch.take()
+        self.ring.absorb(rows)
         self.kernel_run_counter[tag] += 1
         self.slot_run_counter[tag] += len(slots)
+        return rows
 
     def _sweep(self) -> None:
         assert self._walker is not None
-        walked = np.fromiter(
-            (x for entry in self._walker.walk() for x in entry), dtype=np.int64
-        ).reshape(-1, 3)
+        walked = walker_entries(self._walker)  # range-checked per group by translate
         with _launch_threads(len(walked)):
             self._sweep_groups(walked)
         self.sweep_passes += 1
@@ -297,15 +359,20 @@ class Canary:
 
     def _sweep_groups(self, walked: npt.NDArray[np.int64]) -> None:
         for g in self.groups:
-            slots, prevs = g.translate(walked[:, 0].copy()), g.translate(walked[:, 2].copy())
+            slots = g.translate(walked[:, 0].copy(), allow_none=False)
+            prevs = g.translate(walked[:, 2].copy())
             # An evicted SWA slot translates to 0 and is skipped by verify.
             tokens = np.full(len(slots), -1, dtype=np.int64)
             for half in g.halves:
                 tag = LaunchTag.of("sweep", half, g.name)
-                self._verify(
+                rows = self._verify(
                     tag, g.words("sweep", half), g.stage_sources("sweep", half),
                     slots, prevs, walked[:, 1].copy(), tokens,
                 )  # fmt: skip
+                if len(rows) and self.config.recover:
+                    self._incidents.sweep_pass(
+                        tag=int(tag), step=self.step, rows=rows, walked=walked, group_slots=slots
+                    )
 
     def _pump(self) -> None:
         new = self.ring.pump(self.step)

@@ -12,6 +12,7 @@ import logging
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,10 +24,14 @@ from rich.table import Table
 import kvcanary
 from kvcanary.app.observability import EventLog, RunMetrics, StepObserver
 from kvcanary.app.selftest.campaign import CAMPAIGN_MODES, CampaignSpec, run_campaign
+from kvcanary.app.selftest.outcome import outcome_json, run_outcome_campaign
+from kvcanary.app.selftest.outcome_report import outcome_html, outcome_table
 from kvcanary.app.selftest.report import campaign_json, campaign_passed, html_report, result_table
-from kvcanary.app.session import RunSettings, run_session
+from kvcanary.app.session import RunSettings, RunSummary, run_session
 from kvcanary.app.workload import WorkloadSpec
 from kvcanary.canary import CanaryConfig, CanaryLaunchCapacities
+from kvcanary.canary import CanaryMode as CanaryModeValue
+from kvcanary.canary.config import parse_mode
 from kvcanary.cli.errors import (
     EXIT_BAD_INPUT,
     EXIT_CLEAN,
@@ -86,7 +91,9 @@ def _root(
     """KV-cache canary: make KV corruption impossible to miss."""
 
 
-CanaryMode = Annotated[str, typer.Option("--kv-canary", help="none | log | raise (off = none)")]
+CanaryMode = Annotated[
+    str, typer.Option("--kv-canary", help="none | log | raise | recover (off = none)")
+]
 RealData = Annotated[str, typer.Option("--kv-canary-real-data", help="none | partial | all")]
 Sweep = Annotated[
     int,
@@ -173,6 +180,12 @@ def run(
             + ", ".join(PLANT_NAMES),
         ),
     ] = None,
+    host_tier_pages: Annotated[
+        int, typer.Option(help="host tier under the pool, in token pages; 0 = off")
+    ] = 0,
+    disaggregate: Annotated[
+        bool, typer.Option(help="prefill and decode engines in two processes (KV moves between)")
+    ] = False,
 ) -> None:
     """Serve the embedded workload on the reference engine with the canary installed."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -195,6 +208,10 @@ def run(
     if plants and not config.enabled:
         raise BadInput(f"--plant {plants[0]} with --kv-canary none: nothing would catch it; "
                        "pass --kv-canary log")  # fmt: skip
+    if host_tier_pages < 0:
+        raise BadInput(f"--host-tier-pages must be >= 0, got {host_tier_pages}; use 0 for no "
+                       "host tier")  # fmt: skip
+    check_int("--host-tier-pages", host_tier_pages, 0, 1 << 20, "pass 0 (no host tier) or more")
     check_output_path("--json", json_path)
     check_output_path("--events", events)
     check_distinct_paths({"--json": json_path, "--events": events})
@@ -234,11 +251,10 @@ def run(
             console=err_console, disable=quiet, transient=False,
         ) as bar:  # fmt: skip
             task = bar.add_task("requests", total=requests)
-            summary = run_session(
-                settings,
-                lambda done, total: bar.update(task, completed=done, total=total),
-                observer=observer,
-            )
+            summary = _serve(  # a plain run, or one with KV leaving the pool (app.transfers_cli)
+                settings, host_tier_pages, disaggregate,
+                lambda done, total: bar.update(task, completed=done, total=total), observer,
+            )  # fmt: skip
         observer.event("end", **summary.figures)
     finally:
         observer.close()
@@ -262,6 +278,24 @@ _ENGINE_FLAGS = {
     for name in ("num_slots", "max_context_len", "max_running_requests", "max_batch_size",
                  "chunked_prefill_size", "max_prefill_tokens", "speculative_num_draft_tokens")
 } | {"EngineConfig.plants": "--plant", "ModelConfig.dtype": "--dtype"}  # fmt: skip
+
+
+def _serve(
+    settings: RunSettings,
+    host_tier_pages: int,
+    disaggregate: bool,
+    progress: Callable[[int, int], None],
+    observer: StepObserver,
+) -> RunSummary:
+    if disaggregate:
+        from kvcanary.app.disagg import run_disaggregated
+
+        return run_disaggregated(settings, progress, host_tier_pages=host_tier_pages)
+    if host_tier_pages:
+        from kvcanary.app.host_tier import run_host_tier_session
+
+        return run_host_tier_session(settings, host_tier_pages, progress, observer=observer)
+    return run_session(settings, progress, observer=observer)
 
 
 def _start_metrics(port: int | None) -> RunMetrics | None:
@@ -381,11 +415,28 @@ def selftest(
     html_path: Annotated[
         Path | None, typer.Option("--html", help="write an HTML report with plots")
     ] = None,
+    kv_canary: Annotated[
+        str,
+        typer.Option(
+            "--kv-canary",
+            help="log: prove each fault is caught 1:1 | recover: prove no corrupted output is "
+            "delivered (vs a fault-free run, log mode side by side)",
+        ),
+    ] = "log",
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="tiny: serve every case with the tiny transformer (outputs depend on the KV, so "
+            "log mode's damage shows); default: the token oracle (tiny for spec_rollback_stale)"
+        ),
+    ] = None,
 ) -> None:
     """Inject every fault mode and planted bug on many seeds; prove each is caught 1:1.
 
     Exit status 0 only when every mode and plant is caught on every seed and the clean baseline
-    (same seeds, no faults) has zero violations. `KVCANARY_*` variables are validated; the
+    (same seeds, no faults) has zero violations. With `--kv-canary recover`: 0 only when no
+    request is delivered with an output different from the fault-free run, for every fault on
+    every seed, and the clean baseline has no incident. `KVCANARY_*` variables are validated; the
     self-test injects its own faults, so `KVCANARY_PERTURB_*` is refused.
     """
     logging.disable(logging.WARNING)  # violations are expected here; the table tells the story
@@ -394,10 +445,14 @@ def selftest(
     try:
         spec = CampaignSpec(
             modes=_names(modes, CAMPAIGN_MODES), plants=_names(plants, PLANT_NAMES), seeds=seeds,
-            first_seed=first_seed,
+            first_seed=first_seed, model=model,
         )  # fmt: skip
+        selftest_mode = parse_mode(kv_canary)
+        if selftest_mode not in (CanaryModeValue.LOG, CanaryModeValue.RECOVER):
+            raise ValueError(f"--kv-canary must be log or recover, got {kv_canary!r}; pass "
+                             "--kv-canary log (or recover)")  # fmt: skip
     except ValueError as exc:
-        raise BadInput(explain(str(exc), {})) from None
+        raise BadInput(explain(str(exc), {"kv_canary": "--kv-canary"})) from None
     if not spec.modes and not spec.plants:
         raise BadInput("--modes none with --plants none leaves nothing to test; pass --modes all")
     perturb_vars = sorted(k for k in os.environ if k.startswith("KVCANARY_PERTURB_"))
@@ -408,6 +463,9 @@ def selftest(
     check_output_path("--json", json_path)
     check_output_path("--html", html_path)
     check_distinct_paths({"--json": json_path, "--html": html_path})
+    if selftest_mode is CanaryModeValue.RECOVER:
+        _selftest_recover(spec, json_path, html_path)
+        return
     total = spec.seeds * (1 + len(spec.modes) + len(spec.plants))
     with Progress(
         TextColumn("[bold]selftest {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -434,6 +492,36 @@ def selftest(
             if not o.correlation.one_to_one:
                 typer.echo(f"{s.name} seed {o.seed} not caught 1:1; replay: {o.replay}", err=True)
     if not campaign_passed(baseline, summaries):
+        raise typer.Exit(EXIT_VIOLATIONS)
+
+
+def _selftest_recover(spec: CampaignSpec, json_path: Path | None, html_path: Path | None) -> None:
+    """`selftest --kv-canary recover`: outcomes against fault-free runs (SPEC §14.3)."""
+    total = spec.seeds * (1 + len(spec.modes) + len(spec.plants))
+    with Progress(
+        TextColumn("[bold]selftest recover {task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=err_console,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("", total=total)
+        summaries = run_outcome_campaign(
+            spec, lambda what: bar.update(task, advance=1, description=what)
+        )
+    Console(width=220).print(outcome_table(summaries))
+    if json_path is not None:
+        json_path.write_text(json.dumps(outcome_json(summaries, spec), indent=2) + "\n")
+    if html_path is not None:
+        html_path.write_text(outcome_html(summaries, spec))
+    passed = True
+    for s in summaries:
+        for c in s.cases:
+            if c.corrupted_delivered or (s.kind == "clean" and c.recover.incidents):
+                passed = False
+                typer.echo(
+                    f"{s.name} seed {c.seed}: {c.corrupted_delivered} corrupted outputs "
+                    f"delivered, {c.recover.incidents} incidents; replay: {c.replay}",
+                    err=True,
+                )
+    if not passed:
         raise typer.Exit(EXIT_VIOLATIONS)
 
 

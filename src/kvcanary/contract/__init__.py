@@ -7,8 +7,15 @@ Stdlib and torch only. Engines build `ForwardView`s and `BufferGroupSpec`s and d
 from kvcanary.contract.errors import CanaryContractError
 from kvcanary.contract.groups import MAX_SOURCES_PER_HALF, BufferGroupSpec, GroupKind, RealKvSource
 from kvcanary.contract.hooks import CanaryHooks, NullHooks
+from kvcanary.contract.incident import Incident, IncidentRow, IncidentSource
 from kvcanary.contract.oracle import TokenOracle, request_key, splitmix64
 from kvcanary.contract.tags import FailReason, LaunchTag, fail_reason_labels, tag_name
+from kvcanary.contract.transfer import (
+    NullSidecars,
+    SidecarRecords,
+    SidecarTransfer,
+    layered_transfer_order,
+)
 from kvcanary.contract.view import ExpectedInputs, ForwardView
 from kvcanary.contract.violation import Violation
 from kvcanary.contract.walker import PrefixCacheWalker, walk_node_slots
@@ -22,13 +29,20 @@ __all__ = [
     "FailReason",
     "ForwardView",
     "GroupKind",
+    "Incident",
+    "IncidentRow",
+    "IncidentSource",
     "LaunchTag",
     "NullHooks",
+    "NullSidecars",
     "PrefixCacheWalker",
     "RealKvSource",
+    "SidecarRecords",
+    "SidecarTransfer",
     "TokenOracle",
     "Violation",
     "fail_reason_labels",
+    "layered_transfer_order",
     "request_key",
     "splitmix64",
     "tag_name",

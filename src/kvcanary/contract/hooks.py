@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol, final
 
+from kvcanary.contract.incident import Incident
 from kvcanary.contract.view import ForwardView
 from kvcanary.contract.violation import Violation
 from kvcanary.contract.walker import PrefixCacheWalker
@@ -57,6 +58,11 @@ class CanaryHooks(Protocol):
         """Violations reported since the previous drain, in ring order."""
         ...
 
+    def take_incidents(self) -> list[Incident]:
+        """Incidents (mode `recover`, SPEC §14.3) reported since the previous call; the engine
+        calls it after `post_forward` and after `end_step` and acts on each."""
+        ...
+
 
 @final
 class NullHooks:
@@ -82,5 +88,9 @@ class NullHooks:
         return tokens
 
     def drain_violations(self) -> list[Violation]:
+        """Always empty."""
+        return []
+
+    def take_incidents(self) -> list[Incident]:
         """Always empty."""
         return []

@@ -16,7 +16,8 @@ Invariants between calls (checked by `check_integrity`):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from typing import Protocol
 
 from kvcanary.engine.plants import PlantSet
 from kvcanary.engine.radix_cache import RadixCache
@@ -25,13 +26,28 @@ from kvcanary.engine.request import Request
 from kvcanary.engine.slot_allocator import SlotAllocator
 from kvcanary.engine.table import ReqToTokenTable
 
-__all__ = ["KvManager"]
+__all__ = ["KvManager", "PrefixRestorer"]
+
+
+class PrefixRestorer(Protocol):
+    """A lower cache tier (e.g. `engine.host_tier.HostTier`) that re-inserts evicted prefix
+    nodes into the radix cache before a match, and backs nodes up when they are evicted."""
+
+    def restore(self, tokens: Sequence[int]) -> int:
+        """Restore what extends the device match of `tokens`; returns the tokens restored."""
+        ...
+
+    def backup(self, path: Sequence[int], key: Sequence[int], slots: Sequence[int]) -> None:
+        """Back up an evicted node before its slots are released."""
+        ...
 
 
 class KvManager:
     """Slots, rows, prefix cache and `req_to_token` table of one engine."""
 
-    __slots__ = ("_allocator", "_plants", "_prefix_cache_on", "_radix", "_rows", "_table")
+    __slots__ = (
+        "_allocator", "_host", "_plants", "_prefix_cache_on", "_radix", "_rows", "_table",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -52,6 +68,12 @@ class KvManager:
         self._table = table
         self._prefix_cache_on = enable_prefix_cache
         self._plants.bind(self._allocator, self._row_mapping)
+        self._host: PrefixRestorer | None = None
+
+    def attach_host_tier(self, host: PrefixRestorer) -> None:
+        """Back evicted radix nodes up into `host` and restore them on later matches."""
+        self._host = host
+        self._radix.evict_listener = host.backup
 
     @property
     def allocator(self) -> SlotAllocator:
@@ -85,6 +107,8 @@ class KvManager:
                 return self._plant_resume_stale_row(req, row, stale)
         matched: list[int] = []
         if self._prefix_cache_on:
+            if self._host is not None:
+                self._host.restore(req.tokens[: req.seq_len - 1])
             matched, handle = self._radix.match_prefix(req.tokens[: req.seq_len - 1])
             self._radix.lock(handle)
             self._allocator.incref(matched)
@@ -120,6 +144,19 @@ class KvManager:
             del req.slots[req.num_computed :]
             self._allocator.decref(extra)
             self._table.write(req.row, req.num_computed, [0] * len(extra))
+
+    def truncate(self, req: Request, num_computed: int, phantom: Collection[int] = ()) -> None:
+        """Forget `req`'s KV from position `num_computed` on (a recompute after a canary
+        incident): drop its references on those slots and zero their table entries, so the
+        recompute writes into freshly allocated slots. Slots in `phantom` are dropped without
+        a decref: `req` lists them but its reference is gone (a bug freed them and they now
+        belong to someone else), so a decref would free another request's slot."""
+        extra = req.slots[num_computed:]
+        if extra:
+            del req.slots[num_computed:]
+            self._allocator.decref([s for s in extra if s not in phantom])
+            self._table.write(req.row, num_computed, [0] * len(extra))
+        req.num_computed = num_computed
 
     def release(self, req: Request, *, cache: bool) -> None:
         """Give back everything `req` holds: its computed prefix goes to the radix cache when

@@ -1,0 +1,194 @@
+"""`kvcanary selftest --transfers`: every transfer fault on many seeds, correlated 1:1.
+
+Host-tier faults run on the reference engine with a host tier (a restore is the transfer);
+`late_landing` and the landing faults also run across a prefill and a decode process
+(`app.disagg`). Each case journals its firings (`engine.transfer_faults`) with the receiver's
+slots, and `correlate` assigns every violation to exactly one firing. A fault is caught when its
+first row comes in the step of the landing (latency 0): the receiver verifies landed pages
+before the first forward that reads them. Clean baselines run the same fixtures with no fault.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvcanary.app.host_tier import attach_host_tier, check_outputs
+from kvcanary.app.selftest.correlate import Correlation, Fault, correlate
+from kvcanary.app.session import RunSettings, build_stack, run_session
+from kvcanary.app.workload import WorkloadSpec, build_workload
+from kvcanary.canary import CanaryConfig, CanaryMode, RealDataMode
+from kvcanary.engine.config import EngineConfig
+from kvcanary.engine.model import ModelConfig
+from kvcanary.engine.transfer_faults import HOST_FAULTS, TransferFaultRecord, TransferFaults
+
+__all__ = [
+    "TRANSFER_EXPECTED_REASONS",
+    "TransferCase",
+    "TransferSummary",
+    "faults_of_transfers",
+    "host_settings",
+    "run_host_case",
+    "run_transfer_campaign",
+]
+
+_CP = frozenset({"verify_chain_hash", "verify_position"})
+TRANSFER_EXPECTED_REASONS: dict[str, frozenset[str]] = {
+    "wrong_slots": _CP,
+    "page_never_written": _CP,
+    "late_landing": _CP,
+    "partial_layers": _CP,
+    "bit_flip_in_transit": frozenset({"verify_real_kv_hash"}),
+    "stale_host_copy": _CP,
+    "failed_store_visible": _CP,
+    "contiguous_block_ids": _CP,
+}
+#: the host fixture's pages: small enough that the host tier drops entries (reusing pages)
+HOST_PAGES = 512
+
+
+def host_settings(seed: int, requests: int, *, sweep_interval: int = 2) -> RunSettings:
+    """The host-tier fixture: oracle model, a pool small enough to evict shared prefixes that
+    later requests hit again (restores), aborts, chunked prefill, speculation, sweeps."""
+    canary = CanaryConfig(mode=CanaryMode.LOG, real_data=RealDataMode.PARTIAL,
+                          sweep_interval=sweep_interval, stats_print_every_n_steps=0)  # fmt: skip
+    engine = EngineConfig(
+        num_slots=256, max_context_len=256, vocab_size=256, max_running_requests=6,
+        max_batch_size=6, chunked_prefill_size=16, max_prefill_tokens=64,
+        speculative_num_draft_tokens=2, seed=seed,
+    )  # fmt: skip
+    workload = WorkloadSpec(num_requests=requests, seed=seed, vocab_size=256,
+                            num_system_prompts=6, abort_fraction=0.1)  # fmt: skip
+    return RunSettings(canary=canary, engine=engine, model=ModelConfig(vocab_size=256, seed=seed),
+                       model_kind="oracle", workload=workload)  # fmt: skip
+
+
+def faults_of_transfers(records: Sequence[TransferFaultRecord], window: int) -> list[Fault]:
+    """One `Fault` per journaled firing: the receiver's slots and the positions they held."""
+    return [
+        Fault(
+            r.fault,
+            r.step,
+            "full",
+            frozenset(s for s in r.slots if s > 0),
+            window,
+            positions=frozenset(r.positions),
+            detail=r.description,
+        )
+        for r in records
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferCase:
+    """One (fault, seed) run, or a clean one (`fault` = `clean`)."""
+
+    fault: str
+    where: str  # host | disagg
+    seed: int
+    correlation: Correlation
+    violations: int
+    outputs_identical: bool
+
+    @property
+    def replay(self) -> str:
+        """The command that replays this case alone."""
+        return (
+            f"kvcanary selftest --transfers --modes {self.fault} --first-seed {self.seed} --seeds 1"
+        )
+
+
+def run_host_case(fault: str | None, seed: int, requests: int) -> TransferCase:
+    """Serve the host fixture with `fault` switched on (None: clean) and correlate."""
+    settings = host_settings(seed, requests)
+    stack = build_stack(settings)
+    canary = stack.canary
+    assert canary is not None
+    faults = TransferFaults(frozenset({fault} if fault else ()), seed=seed, warmup_steps=8,
+                            step_of=lambda: canary.step)  # fmt: skip
+    attach_host_tier(stack, HOST_PAGES, faults)
+    run_session(settings, stack=stack)
+    found = faults_of_transfers(faults.journal, window=0)
+    check = check_outputs(stack, build_workload(settings.workload))
+    correlation = correlate(found, stack.hooks.violations)
+    return TransferCase(fault or "clean", "host", seed, correlation, len(stack.hooks.violations),
+                        check.identical)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TransferSummary:
+    """One fault over all seeds."""
+
+    fault: str
+    where: str
+    cases: tuple[TransferCase, ...]
+
+    @property
+    def reasons_seen(self) -> set[str]:
+        """Fail-reason labels of the rows the faults explain."""
+        return set().union(*(c.correlation.reasons_seen for c in self.cases))
+
+    @property
+    def passed(self) -> bool:
+        """Caught 1:1 on every seed with an expected reason."""
+        return all(c.correlation.one_to_one for c in self.cases) and bool(
+            self.reasons_seen & TRANSFER_EXPECTED_REASONS[self.fault]
+        )
+
+    def as_json(self) -> dict[str, object]:
+        """The JSON row of this fault."""
+        lat = [x for c in self.cases for x in c.correlation.latencies if x is not None]
+        tags = sorted({v.tag.name if hasattr(v.tag, "name") else str(v.tag)
+                       for c in self.cases for rows in c.correlation.rows_per_fault for v in rows})  # fmt: skip
+        return {
+            "name": self.fault,
+            "where": self.where,
+            "seeds": len(self.cases),
+            "injections": sum(len(c.correlation.faults) for c in self.cases),
+            "seeds_caught_1to1": sum(c.correlation.one_to_one for c in self.cases),
+            "missed": sum(c.correlation.missed for c in self.cases),
+            "false_alarms": sum(len(c.correlation.false_alarms) for c in self.cases),
+            "latency_steps_median": statistics.median(lat) if lat else None,
+            "latency_steps_max": max(lat) if lat else None,
+            "tags_seen": tags,
+            "reasons_seen": sorted(self.reasons_seen),
+            "outputs_identical_seeds": sum(c.outputs_identical for c in self.cases),
+            "failing_seeds": [c.seed for c in self.cases if not c.correlation.one_to_one],
+        }
+
+
+CaseRunner = Callable[[str | None, int, int], TransferCase]
+
+
+def run_transfer_campaign(
+    faults: Sequence[str],
+    seeds: Sequence[int],
+    requests: int,
+    progress: Callable[[str], None] | None = None,
+    *,
+    runners: dict[str, CaseRunner] | None = None,
+) -> tuple[list[TransferCase], list[TransferSummary]]:
+    """Clean baselines per place (host, and disagg when given), then every fault on every seed.
+
+    `runners` maps a place to its case runner; host faults run on `host`, the others on
+    `disagg` when that runner is given."""
+    places: dict[str, CaseRunner] = {"host": run_host_case, **(runners or {})}
+    baseline: list[TransferCase] = []
+    for where, runner in places.items():
+        for seed in seeds:
+            baseline.append(runner(None, seed, requests))
+            if progress:
+                progress(f"clean {where} seed {seed}")
+    summaries = []
+    for fault in faults:
+        where = "host" if fault in HOST_FAULTS and fault != "late_landing" else "disagg"
+        if where not in places:
+            continue
+        cases = []
+        for seed in seeds:
+            cases.append(places[where](fault, seed, requests))
+            if progress:
+                progress(f"{fault} {where} seed {seed}")
+        summaries.append(TransferSummary(fault, where, tuple(cases)))
+    return baseline, summaries
