@@ -15,7 +15,11 @@ Printed per workload: median wall time per run for each arm, the overhead
 `(on - off) / off` of the medians and of the paired runs, and the canary's own time (timed
 inside the adapter) as a share of the `on` runs.
 
-    python bench/vllm_overhead.py [--rounds 7] [--hidden 256] [--layers 2] [--json PATH]
+    python bench/vllm_overhead.py [--dtype bfloat16|float32|float16] [--rounds 7] [--hidden 256]
+                                  [--layers 2] [--json PATH]
+
+The canary is attached as vLLM's KV connector (`KVCanaryConnector`); the engine core runs in this
+process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless set) so both arms share one engine.
 
 The default model is the test suite's tiny Llama (a decode step of a few milliseconds, where the
 canary's fixed per-step cost weighs most); `--hidden 1024 --layers 8` is a wider one.
@@ -41,12 +45,14 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--hidden", type=int, default=256, help="model width (head_dim stays 64)")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--json", dest="json_path", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
     os.environ.setdefault("KVCANARY_STATS_PRINT_EVERY_N_STEPS", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     from kvcanary.adapters.vllm.state import STATE
     from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
@@ -63,6 +69,7 @@ def main() -> int:
     settings = VllmSettings(
         model=ensure_tiny_llama(model_spec), kv_blocks=max(64, blocks_needed), max_num_seqs=16,
         max_num_batched_tokens=512, max_model_len=max(512, args.prompt_len + 128),
+        dtype=args.dtype,
     )  # fmt: skip
     engine = VllmEngine(settings, env)
 
@@ -81,13 +88,13 @@ def main() -> int:
         engine.reset_prefix_cache()
         run = engine.run(workload(kind, seed), seed=seed)
         f = run.figures
-        return f["wall_seconds"], f["canary_seconds"], f["engine_steps"]
+        return f["wall_seconds"], f["canary_seconds"], f["forward_steps"]
 
     for kind in ("prefill", "decode"):  # warm-up: numba kernels, vLLM's first-call paths
         timed(kind, 999, True)
         timed(kind, 999, False)
     results: dict[str, dict[str, float]] = {}
-    print(f"model: hidden {args.hidden}, {args.layers} layers, {heads} heads x 64")
+    print(f"model: hidden {args.hidden}, {args.layers} layers, {heads} heads x 64, {args.dtype}")
     for kind in ("prefill", "decode"):
         on, off, canary, steps = [], [], [], 0
         for r in range(args.rounds):

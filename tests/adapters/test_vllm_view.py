@@ -10,8 +10,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcanary.adapters.vllm.sweep import ParentLedger, SnapshotWalker, expand, snapshot_pool
 from kvcanary.adapters.vllm.view import build_forward_view, paged_req_to_token, split_waves
-from kvcanary.adapters.vllm.walker import BlockPoolWalker, ParentLedger
 
 
 @given(
@@ -87,23 +87,38 @@ class _Pool:
         self.blocks = [_Block(i, is_null=i == 0) for i in range(n)]
 
 
-def test_walker_links_cached_blocks_and_drops_reused_parents() -> None:
+def _walk(pool, ledger, b, unlocked_only=False):
+    snap = snapshot_pool(pool, ledger, b)
+    return snap, {int(s): (int(p), int(q)) for s, p, q in expand(snap, unlocked_only)}
+
+
+def test_snapshot_links_cached_blocks_and_drops_reused_parents() -> None:
     pool, ledger, b = _Pool(6), ParentLedger(), 2
     seq = [pool.blocks[3], pool.blocks[1], pool.blocks[4]]
     for i, blk in enumerate(seq):
         blk.block_hash = f"h{i}"
-    ledger.note_cached(seq, 0, 3, b)
-    walker = BlockPoolWalker(pool, ledger)
-    got = {slot: (pos, prev) for slot, pos, prev in walker.walk()}
+    ledger.note_cached(seq, 0, 3)
+    _, got = _walk(pool, ledger, b)
     assert got[6] == (0, -1) and got[7] == (1, 6)  # block 3 starts the sequence
     assert got[2] == (2, 7) and got[3] == (3, 2)  # block 1 chains from block 3's last slot
     assert got[8] == (4, 3)
     # block 1 is evicted and reused for other content: its slots vanish, block 4 keeps its
     # slots but its first slot's predecessor becomes unreachable (0)
     pool.blocks[1].block_hash = "other"
-    got = {slot: (pos, prev) for slot, pos, prev in walker.walk()}
+    snap, got = _walk(pool, ledger, b)
     assert 2 not in got and 3 not in got
     assert got[8] == (4, 0)
-    assert walker.skipped_unknown == 1
+    assert snap.skipped == 1
     pool.blocks[3].ref_cnt = 1
-    assert {s for s, _, _ in walker.walk(unlocked_only=True)} == {8, 9}
+    _, got = _walk(pool, ledger, b, unlocked_only=True)
+    assert set(got) == {8, 9}
+
+
+def test_snapshot_walker_walks_only_the_snapshot_bound_for_this_step() -> None:
+    pool, ledger, b = _Pool(4), ParentLedger(), 2
+    pool.blocks[2].block_hash = "h0"
+    ledger.note_cached([pool.blocks[2]], 0, 1)
+    walker = SnapshotWalker()
+    assert list(walker.walk()) == [] and walker.missed == 1
+    walker.snapshot = snapshot_pool(pool, ledger, b)
+    assert list(walker.walk()) == [(4, 0, -1), (5, 1, 4)] and walker.walks == 1

@@ -155,3 +155,31 @@ def test_recover_turns_on_the_verify_token_assert(make_canary: MakeCanary) -> No
     [incident] = canary.take_incidents()
     assert "verify_token" in incident.reasons
     assert [r.first_position for r in incident.rows] == [1]
+
+
+@pytest.mark.parametrize("make_canary", ["fast"], indirect=True)
+def test_recover_never_raises_and_keeps_counting(make_canary: MakeCanary) -> None:
+    """Ten thousand violations in every stage, a stalled-looking history, 200 steps: no raise."""
+    from tests.canary.handpool import HandPool
+
+    n = 10_000
+    pool, canary = make_canary(
+        pool=HandPool(num_slots=n + 8, num_rows=2, max_len=n + 4), mode=CanaryMode.RECOVER,
+        ring_capacity=16, read_bytes=None, sweep_interval=1,
+    )  # fmt: skip
+    canary.mark_init_finished()
+    forward(pool, canary, pool.view([(1, list(range(n)))]))
+    for stage in ("head", "tail"):
+        canary.group("full").buffer(stage, "k")[:] = 0
+    view = pool.view([(1, [1])])
+    view.positions[0] += 5  # a chain-position row too
+    forward(pool, canary, view)  # HEAD, TAIL and end_step all report; none raises
+    for _ in range(200):
+        canary.end_step()  # health checks at steps 100 and 200 log, never raise
+    incidents = canary.take_incidents()
+    assert {i.stage for i in incidents} == {"head", "tail"}
+    assert sum(i.violations for i in incidents) == canary.total_violations > 2 * n
+    rows = [r for i in incidents for r in i.rows]
+    assert {r.view_row for r in rows} == {0}
+    assert min(r.first_position for r in rows) == 0  # verify rows: the whole history
+    assert any(r.first_position == n and r.fail_reason_bits == 16 for r in rows)  # the write

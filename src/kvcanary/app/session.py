@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from kvcanary.canary import (
 from kvcanary.contract import (
     CanaryHooks,
     ForwardView,
+    Incident,
     NullHooks,
     PrefixCacheWalker,
     TokenOracle,
@@ -37,7 +39,19 @@ from kvcanary.engine.plan import SamplingSpec
 from kvcanary.engine.req_to_token import TorchReqToTokenTable
 from kvcanary.engine.runner import ModelRunner
 
-__all__ = ["RunSettings", "RunSummary", "Stack", "TimedHooks", "build_stack", "run_session"]
+__all__ = [
+    "RunSettings",
+    "RunSummary",
+    "Stack",
+    "Terminated",
+    "TimedHooks",
+    "build_stack",
+    "run_session",
+]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an exception (the CLI's handler raises it), so a run stops like on Ctrl-C."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +76,10 @@ class RunSummary:
     figures: dict[str, Any]
     violations: tuple[Violation, ...]
     stopped_by_raise: bool
+    #: the first line of the raise-mode error that stopped the run
+    stop_message: str | None = None
+    #: `SIGINT` or `SIGTERM` when a signal cut the run short (the figures are partial)
+    interrupted: str | None = None
 
 
 class TimedHooks:
@@ -71,6 +89,7 @@ class TimedHooks:
         self.inner = inner
         self.seconds = 0.0
         self.violations: list[Violation] = []
+        self.incidents: list[Incident] = []  # every incident the engine took (mode recover)
 
     def _timed(self, fn: Callable[..., None], **kwargs: Any) -> None:
         start = time.perf_counter()
@@ -107,6 +126,12 @@ class TimedHooks:
     def drain_violations(self) -> list[Violation]:
         """Everything collected so far."""
         return list(self.violations)
+
+    def take_incidents(self) -> list[Incident]:
+        """Forwarded (and kept in `incidents` for the events and the summary)."""
+        new = self.inner.take_incidents()
+        self.incidents.extend(new)
+        return new
 
 
 def build_canary(
@@ -157,6 +182,8 @@ def build_stack(
 ) -> Stack:
     """Pool, table, canary (None in mode `none`), model, runner and engine, wired together."""
     m, eng = settings.model, settings.engine
+    if settings.canary.recover:  # SPEC §14.3: every delivered token is written and checked first
+        eng = dataclasses.replace(eng, write_final_token=True)
     pool = KvPool(num_slots=eng.num_slots, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                   head_dim=m.head_dim, dtype=m.torch_dtype)  # fmt: skip
     table = TorchReqToTokenTable(
@@ -186,39 +213,52 @@ def run_session(
     planned = build_workload(settings.workload)
     pending = list(planned)
     aborts: dict[int, list[str]] = {}
-    steps, stopped, aborted, reported = 0, False, 0, 0
+    steps, stopped, aborted, reported, injected = 0, False, 0, 0, 0
+    incidents_reported = 0
+    stop_message: str | None = None
+    interrupted: str | None = None
     start = time.perf_counter()
-    while pending or engine.has_work():
-        while pending and pending[0].arrival_step <= steps:
-            req = pending.pop(0)
-            engine.add_request(
-                req.request_id, req.prompt, req.max_new_tokens, stack.sampling(req.request_id)
-            )
-            if req.abort_after_steps is not None:
-                aborts.setdefault(steps + req.abort_after_steps, []).append(req.request_id)
-        for request_id in aborts.pop(steps, []):
-            aborted += engine.abort(request_id)
-        try:
-            engine.step()
-        except CanaryViolationError:
-            stopped = True  # fail closed: that step's tokens were never applied
-        steps += 1
-        if observer is not None:
-            new = hooks.violations[reported:]
-            reported = len(hooks.violations)
-            observer.on_step(
-                step=steps - 1,
-                stats=asdict(engine.stats()),
-                protected=sum(canary.slot_run_counter.values()) if canary else 0,
-                sweeps=canary.sweep_passes if canary else 0,
-                violations=new,
-            )
-        if stopped:
-            break
-        if progress is not None:
-            progress(
-                engine.stats().requests_finished + engine.stats().requests_aborted, len(planned)
-            )
+    try:
+        while pending or engine.has_work():
+            while pending and pending[0].arrival_step <= steps:
+                req = pending.pop(0)
+                engine.add_request(
+                    req.request_id, req.prompt, req.max_new_tokens, stack.sampling(req.request_id)
+                )
+                if req.abort_after_steps is not None:
+                    aborts.setdefault(steps + req.abort_after_steps, []).append(req.request_id)
+            for request_id in aborts.pop(steps, []):
+                aborted += engine.abort(request_id)
+            try:
+                engine.step()
+            except CanaryViolationError as exc:
+                stopped = True  # fail closed: that step's tokens were never applied
+                stop_message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            steps += 1
+            if observer is not None:
+                new = hooks.violations[reported:]
+                reported = len(hooks.violations)
+                journal = canary.injections() if canary is not None else []
+                injected, new_faults = len(journal), journal[injected:]
+                new_incidents = hooks.incidents[incidents_reported:]
+                incidents_reported = len(hooks.incidents)
+                observer.on_step(
+                    incidents=new_incidents,
+                    step=steps - 1,
+                    stats=asdict(engine.stats()),
+                    protected=sum(canary.slot_run_counter.values()) if canary else 0,
+                    sweeps=canary.sweep_passes if canary else 0,
+                    violations=new,
+                    injections=new_faults,
+                )
+            if stopped:
+                break
+            if progress is not None:
+                progress(
+                    engine.stats().requests_finished + engine.stats().requests_aborted, len(planned)
+                )
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM via Terminated: summarise what ran
+        interrupted = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
     wall = time.perf_counter() - start
     stats = engine.stats()
     by_reason: Counter[str] = Counter()
@@ -244,4 +284,14 @@ def run_session(
         "canary_mode": settings.canary.mode.value,
         "seed": settings.workload.seed,
     }
-    return RunSummary(figures, tuple(hooks.violations), stopped)
+    if settings.canary.recover:  # SPEC §14.3: what recover mode did
+        figures |= {
+            "incidents": len(hooks.incidents),
+            "requests_recovered": stats.requests_recovered,
+            "requests_failed": stats.requests_failed,
+            "recoveries": stats.recoveries,
+            "recompute_tokens": stats.recompute_tokens,
+        }
+    if interrupted is not None:
+        figures["interrupted"] = interrupted
+    return RunSummary(figures, tuple(hooks.violations), stopped, stop_message, interrupted)

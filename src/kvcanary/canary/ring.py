@@ -52,11 +52,13 @@ class ViolationRing:
         room = max(0, min(len(rows), self.capacity - start))
         if room:
             self.rows[start : start + room] = rows[:room]
-        for row in rows[room:]:
-            kind, bits = int(row[0]), int(row[7])
-            self._dropped_rows += 1
-            for label in fail_reason_labels(bits) or ["none"]:
-                self._dropped[tag_name(kind), label] += 1
+        dropped = rows[room:]
+        if len(dropped):
+            self._dropped_rows += len(dropped)
+            pairs, counts = np.unique(dropped[:, [0, 7]], axis=0, return_counts=True)
+            for (kind, bits), n in zip(pairs.tolist(), counts.tolist(), strict=True):
+                for label in fail_reason_labels(bits) or ["none"]:
+                    self._dropped[tag_name(kind), label] += n
 
     @property
     def write_index(self) -> int:

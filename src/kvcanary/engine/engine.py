@@ -15,7 +15,7 @@ from kvcanary.contract import CanaryHooks, NullHooks
 from kvcanary.engine.config import EngineConfig
 from kvcanary.engine.plan import Runner, SamplingSpec, StepOutput, StepPlan
 from kvcanary.engine.plants import PlantRecord
-from kvcanary.engine.request import Request
+from kvcanary.engine.request import Request, RequestStatus
 from kvcanary.engine.scheduler import Scheduler
 from kvcanary.engine.stats import SchedulerStats
 from kvcanary.engine.table import ListReqToTokenTable, ReqToTokenTable
@@ -25,11 +25,14 @@ __all__ = ["Engine", "FinishedRequest", "StepResult"]
 
 @dataclass(frozen=True, slots=True)
 class FinishedRequest:
-    """A request that reached `max_new_tokens` during a step."""
+    """A request that ended during a step: reached `max_new_tokens` (`finish_reason="length"`),
+    or failed on KV corruption (`"kv_corruption"`, SPEC §14.3) with no output and an `error`."""
 
     request_id: str
     prompt: tuple[int, ...]
     output: tuple[int, ...]
+    finish_reason: str = "length"
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +117,8 @@ class Engine:
         plan = self._scheduler.schedule()
         if plan is None:
             self._hooks.end_step()
-            return StepResult(None, None)
+            failed = self._scheduler.on_incidents(self._hooks.take_incidents())
+            return StepResult(None, None, tuple(_ended(r) for r in failed))
         try:
             output = self._runner.run(plan)
         except BaseException:
@@ -122,8 +126,8 @@ class Engine:
             raise
         finished = self._scheduler.postprocess(plan, output)
         self._hooks.end_step()
-        done = tuple(FinishedRequest(r.request_id, r.prompt, tuple(r.output)) for r in finished)
-        return StepResult(plan, output, done)
+        finished += self._scheduler.on_incidents(self._hooks.take_incidents())  # sweeps
+        return StepResult(plan, output, tuple(_ended(r) for r in finished))
 
     def run_until_idle(self, max_steps: int = 100_000) -> list[FinishedRequest]:
         """Step until no request is waiting or running; RuntimeError after `max_steps`."""
@@ -133,3 +137,9 @@ class Engine:
                 return finished
             finished.extend(self.step().finished)
         raise RuntimeError(f"engine still busy after max_steps={max_steps}; raise the limit")
+
+
+def _ended(req: Request) -> FinishedRequest:
+    if req.status is RequestStatus.FAILED:
+        return FinishedRequest(req.request_id, req.prompt, (), "kv_corruption", req.error)
+    return FinishedRequest(req.request_id, req.prompt, tuple(req.output))

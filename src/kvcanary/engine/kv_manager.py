@@ -16,7 +16,7 @@ Invariants between calls (checked by `check_integrity`):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol
 
 from kvcanary.engine.plants import PlantSet
@@ -144,6 +144,19 @@ class KvManager:
             del req.slots[req.num_computed :]
             self._allocator.decref(extra)
             self._table.write(req.row, req.num_computed, [0] * len(extra))
+
+    def truncate(self, req: Request, num_computed: int, phantom: Collection[int] = ()) -> None:
+        """Forget `req`'s KV from position `num_computed` on (a recompute after a canary
+        incident): drop its references on those slots and zero their table entries, so the
+        recompute writes into freshly allocated slots. Slots in `phantom` are dropped without
+        a decref: `req` lists them but its reference is gone (a bug freed them and they now
+        belong to someone else), so a decref would free another request's slot."""
+        extra = req.slots[num_computed:]
+        if extra:
+            del req.slots[num_computed:]
+            self._allocator.decref([s for s in extra if s not in phantom])
+            self._table.write(req.row, num_computed, [0] * len(extra))
+        req.num_computed = num_computed
 
     def release(self, req: Request, *, cache: bool) -> None:
         """Give back everything `req` holds: its computed prefix goes to the radix cache when

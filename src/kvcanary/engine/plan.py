@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvcanary.contract.incident import Incident
+
 __all__ = [
     "ChunkOutput",
     "ForwardKind",
@@ -92,9 +94,11 @@ class ChunkOutput:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """The runner's result for one StepPlan, chunk for chunk."""
+    """The runner's result for one StepPlan, chunk for chunk, plus the canary incidents of its
+    forward (mode `recover`; their view rows are chunk indices)."""
 
     chunks: tuple[ChunkOutput, ...]
+    incidents: tuple[Incident, ...] = ()
 
 
 class Runner(Protocol):

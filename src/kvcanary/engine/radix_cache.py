@@ -34,7 +34,16 @@ __all__ = ["RadixCache", "RadixHandle"]
 class _Node:
     """One run of tokens; internal to the cache."""
 
-    __slots__ = ("children", "key", "last_access", "lock_ref", "node_id", "parent", "slots")
+    __slots__ = (
+        "children",
+        "detached",
+        "key",
+        "last_access",
+        "lock_ref",
+        "node_id",
+        "parent",
+        "slots",
+    )
 
     def __init__(
         self, key: list[int], slots: list[int], parent: _Node | None, node_id: int
@@ -46,6 +55,7 @@ class _Node:
         self.lock_ref = 0
         self.last_access = 0
         self.node_id = node_id
+        self.detached = False  # cut out of the tree by `evict_containing`; handles may remain
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +166,7 @@ class RadixCache:
             if node.lock_ref <= 0:
                 raise ValueError("RadixCache.unlock: node is not locked")
             node.lock_ref -= 1
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and not node.detached:
                 self._protected -= len(node.key)
             node = node.parent
 
@@ -188,6 +198,34 @@ class RadixCache:
             if parent is not self._root and _evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
+
+    def evict_containing(self, slots: Sequence[int]) -> int:
+        """Cut every node holding one of `slots` out of the tree, with all its descendants,
+        locked or not (SPEC §14.3: failing slots and every node at or below them leave the
+        cache). The tree drops its reference on their slots; requests holding them keep their
+        own, and their handles stay valid for `unlock`. Returns the slots removed."""
+        bad = {s for s in slots if s > 0}
+        if not bad:
+            return 0
+        hits = [n for n in self._nodes() if not bad.isdisjoint(n.slots)]
+        removed = 0
+        for node in hits:
+            if node.detached:
+                continue  # already cut as a descendant of an earlier hit
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[0]]
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                n.detached = True
+                self._cached -= len(n.key)
+                if n.lock_ref > 0:
+                    self._protected -= len(n.key)
+                removed += len(n.slots)
+                self._allocator.decref(n.slots)
+                stack.extend(n.children.values())
+        return removed
 
     def walk(
         self, *, unlocked_only: bool = False, swa_resident_only: bool = False

@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     ABORTED = "aborted"
+    FAILED = "failed"  # ended by KV corruption that recomputes did not clear (SPEC §14.3)
 
 
 @dataclass(slots=True, eq=False)
@@ -44,6 +45,10 @@ class Request:
     handle: RadixHandle | None = None
     admit_seq: int = -1  # order of the latest admission; larger = admitted more recently
     last_scheduled: int = -1  # scheduler step that last gave this request a chunk
+    recoveries: int = 0  # recomputes after canary incidents (bounded by the retry budget)
+    recover_target: int = 0  # positions computed before the latest recompute (0: none open)
+    recover_step: int = -1  # scheduler step of the latest recompute
+    error: str | None = None  # why a FAILED request ended
 
     @property
     def seq_len(self) -> int:
@@ -64,6 +69,15 @@ class Request:
     def is_done(self) -> bool:
         """Whether generation reached `max_new_tokens`."""
         return len(self.output) >= self.max_new_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        """`length` when finished, `abort`, `kv_corruption` when failed, None while active."""
+        return {
+            RequestStatus.FINISHED: "length",
+            RequestStatus.ABORTED: "abort",
+            RequestStatus.FAILED: "kv_corruption",
+        }.get(self.status)
 
     @property
     def num_to_compute(self) -> int:

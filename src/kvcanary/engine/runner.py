@@ -110,7 +110,9 @@ class ModelRunner:
         self._hooks.pre_forward(view=view)
         logits = self._forward(view, _logit_index(plan))
         self._hooks.post_forward(view=view)
-        return self._sample(plan, logits)
+        incidents = tuple(self._hooks.take_incidents())  # HEAD and TAIL of this forward
+        out = self._sample(plan, logits)
+        return StepOutput(chunks=out.chunks, incidents=incidents) if incidents else out
 
     def build_view(self, plan: StepPlan) -> ForwardView:
         """The `ForwardView` of `plan`: fresh int64 tensors plus the live `req_to_token`."""

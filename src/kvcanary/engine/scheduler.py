@@ -24,12 +24,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from kvcanary.contract.incident import Incident
+from kvcanary.contract.tags import fail_reason_labels
 from kvcanary.engine.config import EngineConfig
 from kvcanary.engine.drafter import Drafter, count_accepted
 from kvcanary.engine.kv_manager import KvManager
 from kvcanary.engine.plan import ForwardKind, SamplingSpec, ScheduledChunk, StepOutput, StepPlan
 from kvcanary.engine.plants import PlantSet
 from kvcanary.engine.radix_cache import RadixCache
+from kvcanary.engine.recovery import RowDamage, damage_by_chunk, failing_slots, recovery_point
 from kvcanary.engine.request import Request, RequestStatus
 from kvcanary.engine.stats import SchedulerCounters, SchedulerStats
 from kvcanary.engine.table import ReqToTokenTable
@@ -302,7 +305,9 @@ class Scheduler:
                 f"StepOutput has {len(output.chunks)} chunks for a {len(plan.chunks)}-chunk plan"
             )
         finished: list[Request] = []
-        for chunk, out in zip(plan.chunks, output.chunks, strict=True):
+        damage = damage_by_chunk(output.incidents, len(plan.chunks))
+        self._evict_failing(output.incidents)
+        for index, (chunk, out) in enumerate(zip(plan.chunks, output.chunks, strict=True)):
             if out.request_id != chunk.request_id or len(out.sampled) != chunk.num_samples:
                 raise ValueError(
                     f"StepOutput chunk {out.request_id!r} with {len(out.sampled)} samples does not "
@@ -314,11 +319,40 @@ class Scheduler:
             if req.num_computed != chunk.prefix_len:
                 raise RuntimeError(f"request {req.request_id!r} moved since its chunk was planned")
             self._kv.plant_note_read(req)
+            if index in damage:  # SPEC §14.3: this forward's samples never reach the client
+                if self._recover(req, damage[index]):
+                    finished.append(req)
+                continue
             self._apply(req, chunk, out.sampled, verify=plan.kind is ForwardKind.VERIFY)
-            if req.is_done:
+            self._note_caught_up(req)
+            if req.is_done and self._final_token_checked(req):
                 self._finish(req)
                 finished.append(req)
         return finished
+
+    def _final_token_checked(self, req: Request) -> bool:
+        """False while `write_final_token` still owes the last sampled token one forward."""
+        if not self._config.write_final_token or req.num_computed >= req.seq_len:
+            return True
+        return req.seq_len > self._config.max_context_len  # no column left to write it into
+
+    def on_incidents(self, incidents: Sequence[Incident]) -> list[Request]:
+        """Act on incidents outside a forward (SWEEP, landed transfers): evict the failing slots
+        from the prefix cache and recompute every running request whose computed KV holds one,
+        from its first such position. Returns the requests that failed instead."""
+        if not incidents:
+            return []
+        self._evict_failing(incidents)
+        bad = set(failing_slots(incidents))
+        bits = 0
+        for incident in incidents:
+            bits |= incident.fail_reason_bits
+        failed: list[Request] = []
+        for req in list(self._running):
+            hit = next((p for p, s in enumerate(req.slots[: req.num_computed]) if s in bad), None)
+            if hit is not None and self._recover(req, RowDamage(hit, False, bits, frozenset(bad))):
+                failed.append(req)
+        return failed
 
     def discard(self, plan: StepPlan) -> None:
         """Forget a plan whose forward failed: release the slots it allocated, apply nothing."""
@@ -334,7 +368,7 @@ class Scheduler:
         if speculate:
             k = min(
                 self._config.speculative_num_draft_tokens,
-                req.remaining_new_tokens - 1,
+                max(0, req.remaining_new_tokens - 1),
                 self._config.max_context_len - req.seq_len,
             )
         if self._budget < k + 1:
@@ -458,7 +492,85 @@ class Scheduler:
         req.output.extend(new)
         self._counters.tokens_generated += len(new)
 
+    # ---- recovery after canary incidents (SPEC §14.3) --------------------------------------
+
+    def _evict_failing(self, incidents: Sequence[Incident]) -> None:
+        if not incidents:
+            return
+        self._counters.incidents += len(incidents)
+        slots = failing_slots(incidents)
+        self._counters.incident_evicted_slots += self._kv.prefix_cache.evict_containing(slots)
+
+    def _recover(self, req: Request, damage: RowDamage) -> bool:
+        """Restart `req` before its damage, into fresh slots; or fail it when its retry budget
+        is spent. Returns True when it failed."""
+        if req.recoveries >= self._config.recovery_retries:
+            self._fail(req, damage)
+            return True
+        before = len(req.slots)
+        damage = self._include_table_damage(req, damage)
+        point = recovery_point(
+            prompt_len=len(req.prompt), seq_len=req.seq_len, num_computed=req.num_computed,
+            position=damage.first_position, bad_input_token=damage.bad_input_token,
+        )  # fmt: skip
+        self._kv.truncate(
+            req, point.keep_computed, self._phantom_refs(req, point.keep_computed, damage)
+        )
+        del req.output[max(0, point.keep_tokens - len(req.prompt)) :]
+        req.recoveries += 1
+        req.recover_target = max(req.recover_target, before)
+        req.recover_step = self._step
+        self._counters.recoveries += 1
+        self._counters.recompute_tokens += before - point.keep_computed
+        return False
+
+    def _include_table_damage(self, req: Request, damage: RowDamage) -> RowDamage:
+        """Move the restart back to the first computed position whose `req_to_token` entry no
+        longer holds the request's own slot: the canary skips entries mapped to slot 0 (and a
+        shifted window made attention read wrong KV there), but the engine knows its slots."""
+        n = min(req.num_computed, damage.first_position)
+        cells = self._kv.table.read(req.row, n) if n > 0 else []
+        bad = next((q for q in range(n) if cells[q] != req.slots[q]), None)
+        if bad is None:
+            return damage
+        return RowDamage(bad, False, damage.reasons_bits, damage.slots)
+
+    def _phantom_refs(self, req: Request, start: int, damage: RowDamage) -> set[int]:
+        """Failing slots `req` lists from `start` on whose every reference is held by other
+        running requests: `req`'s own reference was lost to a bookkeeping bug, so `req` must
+        not give it back (that would free a slot another request owns; SPEC §14.3)."""
+        out: set[int] = set()
+        for slot in set(req.slots[start:]) & damage.slots:
+            others = sum(slot in r.slots for r in self._running if r is not req)
+            if self._kv.allocator.refcount(slot) <= others:
+                out.add(slot)
+        return out
+
+    def _note_caught_up(self, req: Request) -> None:
+        if req.recover_target and req.num_computed >= req.recover_target:
+            latency = self._step - req.recover_step
+            self._counters.recoveries_completed += 1
+            self._counters.recovery_latency_steps_total += latency
+            self._counters.recovery_latency_steps_max = max(
+                self._counters.recovery_latency_steps_max, latency
+            )
+            req.recover_target = 0
+
+    def _fail(self, req: Request, damage: RowDamage) -> None:
+        self._kv.release(req, cache=False)
+        self._running.remove(req)
+        req.status = RequestStatus.FAILED
+        reasons = "+".join(fail_reason_labels(damage.reasons_bits)) or "none"
+        req.error = (
+            f"kv-canary: request {req.request_id!r} failed: KV corruption at position "
+            f"{damage.first_position} ({reasons}) persisted after {req.recoveries} recomputes "
+            f"(retry budget {self._config.recovery_retries})"
+        )
+        self._counters.requests_failed += 1
+
     def _finish(self, req: Request) -> None:
+        if req.recoveries:
+            self._counters.requests_recovered += 1
         self._kv.release(req, cache=True)
         self._running.remove(req)
         req.status = RequestStatus.FINISHED

@@ -66,6 +66,10 @@ class CampaignSpec:
     requests: int = 24
     sweep_interval: int = 2
     warmup_steps: int = 8
+    #: `tiny` serves every case with the real tiny transformer, whose output depends on the KV it
+    #: reads (next_token_swap keeps the oracle: its detection needs the write-input assert);
+    #: None keeps the default fixture (the token oracle, tiny for spec_rollback_stale)
+    model: str | None = None
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -80,6 +84,8 @@ class CampaignSpec:
                 )
         if self.seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {self.seeds}")
+        if self.model not in (None, "tiny", "oracle"):
+            raise ValueError(f"--model must be tiny or oracle, got {self.model!r}")
 
 
 def case_settings(
@@ -89,6 +95,8 @@ def case_settings(
     # Oracle drafts are always accepted, so the rollback plant needs the tiny model's n-gram drafts;
     # plants run without aborts (a retracted request aborted while waiting never shows its row).
     model_kind = "tiny" if plant in _NEEDS_REJECTED_DRAFTS else "oracle"
+    if spec.model == "tiny" and mode != "next_token_swap":
+        model_kind = "tiny"
     perturb = PerturbConfig(
         probabilities={mode: 1.0} if mode else {}, seed=seed, warmup_steps=spec.warmup_steps,
         target_group="full" if mode else None,

@@ -61,7 +61,9 @@ def _png(fig: object) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def html_report(baseline: Sequence[CaseOutcome], summaries: Sequence[NameSummary]) -> str:
+def html_report(
+    baseline: Sequence[CaseOutcome], summaries: Sequence[NameSummary], *, command: str = ""
+) -> str:
     """A self-contained HTML page: the result table, catch rate per fault and a latency histogram."""
     import matplotlib
 

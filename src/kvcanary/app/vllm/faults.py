@@ -27,13 +27,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcanary.adapters.vllm.state import STATE
+from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.app.selftest.correlate import Fault
 from kvcanary.canary import PerturbRecord
 from kvcanary.canary.perturb_seam import CanaryState
 from kvcanary.contract import ForwardView
 
-__all__ = ["VLLM_FAULT_MODES", "VllmFaultInjector"]
+__all__ = ["VLLM_FAULT_MODES", "VllmFaultInjector", "install_prepare_inputs_hook"]
 
 VLLM_FAULT_MODES = ("block_table_swap", "kv_flip_used", "kv_flip_cached", "stale_prefix_hit")
 
@@ -139,7 +139,7 @@ class VllmFaultInjector:
         if not idle:
             return
         blk = a.rng.choice(idle)
-        size = entries[blk.block_id].block_size
+        size = int(self.runner.input_batch.block_table[0].block_size)
         t = a.rng.randrange(size)
         slot = blk.block_id * size + t
         byte = self._flip(slot, a.rng)
@@ -192,14 +192,15 @@ class VllmFaultInjector:
 
     # ------------------------------------------------------------------ helpers
     def _flip(self, slot: int, rng: random.Random) -> int:
-        """Flip one bit of a byte the canary folds, in layer-0 V of `slot`; the byte offset."""
+        """Flip one bit of a byte the canary folds (the first 16 bytes of head 0's V of `slot`,
+        placed by the calibrated layout) in the live layer-0 cache; the byte's index."""
         kv = self.runner.kv_caches[0]
-        n, h, b, two_d = kv.shape
-        row = kv.view(n, h, 2 * b, two_d // 2)[slot // b, 0, b + slot % b]
-        assert self.canary is not None
-        source = self.canary.groups[0].spec.k_sources[0]
-        byte = rng.randrange(source.read_bytes)
-        row.view(torch.uint8)[byte] ^= 1 << rng.randrange(8)
+        layout = STATE.layout
+        assert layout is not None, "the vLLM fault campaign needs real-KV checks (layout)"
+        b = layout.block_size
+        byte = rng.randrange(16)
+        offset = int(layout.token_bytes("v", 0, slot % b)[byte])
+        kv.view(torch.uint8).view(kv.shape[0], -1)[slot // b, offset] ^= 1 << rng.randrange(8)
         return byte
 
     def _note_writes(self, view: ForwardView) -> None:
@@ -315,3 +316,26 @@ def _plant_stale_prefix_hit(injector: VllmFaultInjector) -> Callable[[], None]:
             setattr(BlockPool, name, fn)
 
     return unpatch
+
+
+def install_prepare_inputs_hook() -> None:
+    """Driver-only patch of `GPUModelRunner._prepare_inputs` (vllm/v1/worker/gpu_model_runner.py):
+    `STATE.hooks.before_prepare_inputs` runs first, while the persistent batch is up to date and
+    its block table is not yet copied to the kernels' buffers (`block_table_swap` needs that
+    moment; the KV-connector API has no hook there). The plugin never installs it."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._prepare_inputs
+    if getattr(original, "__kvcanary_wrapped__", False):
+        return
+
+    def _prepare_inputs(self: Any, *args: Any, **kw: Any) -> Any:
+        hooks = STATE.hooks
+        workers = [c.worker for c in STATE.live_connectors() if c.worker is not None]
+        if isinstance(hooks, RunnerHooks) and workers and workers[-1].canary is not None:
+            hooks.before_prepare_inputs(runner=self, step=workers[-1].canary.step)
+        return original(self, *args, **kw)
+
+    _prepare_inputs.__kvcanary_wrapped__ = True  # type: ignore[attr-defined]
+    _prepare_inputs.__wrapped__ = original  # type: ignore[attr-defined]
+    GPUModelRunner._prepare_inputs = _prepare_inputs

@@ -1,0 +1,335 @@
+"""`KVCanaryConnector`: the canary as a vLLM 0.32 KV connector (v1 API, both halves).
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector":"KVCanaryConnector",
+                           "kv_connector_module_path":"kvcanary.adapters.vllm",
+                           "kv_role":"kv_both",
+                           "kv_connector_extra_config":{"mode":"log"}}'
+
+(or `KVCANARY_MODE=log|raise`, which makes the plugin add exactly that). vLLM builds one connector
+per process role, in every process layout (in-process engine core, the default multiprocess
+engine core, one worker per rank):
+
+- worker: `register_kv_caches` installs the canary over the real caches (layout calibrated
+  through the backend's own write op); `start_load_kv` runs HEAD before the forward (the scheduler
+  half marks every step `has_sync_kv_loads`, so vLLM calls it before the model, not after);
+  `wait_for_save` runs TAIL after the model and before sampling, then the end of the canary step
+  (sweep when due); `build_connector_worker_meta` and `get_kv_connector_stats` carry figures back.
+- scheduler: `bind_gpu_block_pool` keeps the scheduler's `BlockPool` (and records block
+  provenance as blocks are cached); `build_connector_meta` ships a snapshot of the cached blocks on
+  the steps the worker sweeps; `update_connector_output` receives the workers' summaries.
+- `build_prom_metrics`: `kvcanary_*` counters on vLLM's `/metrics` (API-server process).
+- `get_block_ids_with_load_errors`: the blocks a recover policy wants recomputed (none yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvcanary.adapters.vllm.install import config_from
+from kvcanary.adapters.vllm.state import STATE
+from kvcanary.adapters.vllm.sweep import BlockSnapshot, ParentLedger, snapshot_pool
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvcanary.adapters.vllm.worker import CanaryWorker
+
+__all__ = ["VIOLATION_REASONS", "KVCanaryConnector", "KVCanaryStats"]
+
+logger = logging.getLogger("kvcanary")
+
+VIOLATION_TAGS = ("HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL", "SWEEP_K_FULL",
+                  "SWEEP_V_FULL")  # fmt: skip
+VIOLATION_REASONS = ("verify_chain_hash", "verify_position", "verify_real_kv_hash",
+                     "write_token", "write_position", "verify_token")  # fmt: skip
+
+
+@dataclass
+class CanaryStepMeta(KVConnectorMetadata):
+    """Scheduler -> worker, one per step: the cached blocks to sweep (on sweep steps)."""
+
+    snapshot: BlockSnapshot | None = None
+
+
+@dataclass
+class CanaryWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, one per step (summed over ranks): this step's violation counts."""
+
+    violations: dict[str, int] = field(default_factory=dict)
+    forwards: int = 0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Sum the ranks' counts (each rank checks its own KV shard)."""
+        assert isinstance(other, CanaryWorkerMeta)
+        merged = Counter(self.violations)
+        merged.update(other.violations)
+        return CanaryWorkerMeta(dict(merged), self.forwards + other.forwards)
+
+
+@dataclass
+class KVCanaryStats(KVConnectorStats):
+    """`data = {"forwards", "checks", "sweeps": int, "violations": {"TAG|reason": int}}`,
+    deltas since the previous report."""
+
+    def reset(self) -> None:
+        """Start a new interval."""
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Sum two intervals (or two ranks)."""
+        out: dict[str, Any] = {k: int(self.data.get(k, 0)) + int(other.data.get(k, 0))
+                               for k in ("forwards", "checks", "sweeps")}  # fmt: skip
+        v: Counter[str] = Counter(self.data.get("violations", {}))
+        v.update(other.data.get("violations", {}))
+        out["violations"] = dict(v)
+        return KVCanaryStats(data=out)
+
+    def reduce(self) -> dict[str, int | float]:
+        """Totals for vLLM's periodic "KV Transfer metrics" log line."""
+        v = self.data.get("violations", {})
+        return {"kvcanary_forwards": int(self.data.get("forwards", 0)),
+                "kvcanary_checks": int(self.data.get("checks", 0)),
+                "kvcanary_sweeps": int(self.data.get("sweeps", 0)),
+                "kvcanary_violations": int(sum(v.values()))}  # fmt: skip
+
+    def is_empty(self) -> bool:
+        """No figures in this interval."""
+        return not any(self.data.get(k) for k in ("forwards", "checks", "sweeps", "violations"))
+
+
+class KVCanaryPromMetrics(KVConnectorPromMetrics):
+    """`kvcanary_forwards_total`, `kvcanary_checks_total` (protected-slot checks),
+    `kvcanary_sweeps_total`, `kvcanary_violations_total{tag,reason}`; every series exists (at 0)
+    from the start."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:  # fmt: skip
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        names = list(labelnames)
+        c = self._counter_cls
+        self._plain = {
+            key: c(name=f"kvcanary_{key}", documentation=doc, labelnames=names)
+            for key, doc in (
+                ("forwards", "Forwards the kvcanary checked (HEAD and TAIL)."),
+                ("checks", "KV slot checks the kvcanary ran (HEAD, TAIL, sweep)."),
+                ("sweeps", "Sweeps of vLLM's prefix cache by the kvcanary."),
+            )
+        }
+        self._violations = c(name="kvcanary_violations",
+                             documentation="KV-cache violations the kvcanary reported.",
+                             labelnames=[*names, "tag", "reason"])  # fmt: skip
+        for values in per_engine_labelvalues.values():
+            for counter in self._plain.values():
+                counter.labels(*values)
+            for tag in VIOLATION_TAGS:
+                for reason in VIOLATION_REASONS:
+                    self._violations.labels(*values, tag, reason)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one interval's deltas."""
+        values = self.per_engine_labelvalues.get(engine_idx)
+        if values is None:
+            return
+        for key, counter in self._plain.items():
+            n = int(transfer_stats_data.get(key, 0) or 0)
+            if n:
+                counter.labels(*values).inc(n)
+        for key, n in (transfer_stats_data.get("violations") or {}).items():
+            tag, _, reason = str(key).partition("|")
+            self._violations.labels(*values, tag, reason).inc(int(n))
+
+
+def _calling_runner() -> Any:
+    """The model runner whose `initialize_kv_cache` is calling `register_kv_caches` (vLLM hands
+    the connector the caches but not the runner whose persistent batch describes each forward)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, GPUModelRunner):
+            return candidate
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
+    """The kvcanary inside vLLM (see the module docstring). Loads nothing, saves nothing."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = config_from(os.environ, extra)
+        self.worker: CanaryWorker | None = None
+        self.invalid_block_ids: set[int] = set()
+        # scheduler half
+        self._pool: Any = None
+        self.ledger = ParentLedger()
+        self._forward_steps = 0
+        self.violations_seen: Counter[str] = Counter()
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        self._block_size = int(groups[0].kv_cache_spec.block_size) if groups else 0
+        STATE.connectors.append(weakref.ref(self))
+
+    # ------------------------------------------------------------------ worker half
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Install the canary over the real caches."""
+        from kvcanary.adapters.vllm.worker import CanaryWorker
+
+        if not self.config.enabled:
+            return
+        runner = _calling_runner()
+        if runner is None:
+            logger.warning("kv-canary: register_kv_caches was not called by a vLLM model "
+                           "runner; canary off")  # fmt: skip
+            return
+        worker = CanaryWorker(runner, self.config, hooks=STATE.hooks)
+        if worker.install(kv_caches) is not None:
+            self.worker = worker
+            STATE.layout = worker.layout
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """HEAD for this forward (called before the model; nothing is loaded)."""
+        w = self.worker
+        if w is None or getattr(forward_context, "attn_metadata", None) is None:
+            return
+        self._raising(w.before_forward, getattr(forward_context, "slot_mapping", None))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing is loaded."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:  # fmt: skip
+        """Nothing is saved."""
+
+    def wait_for_save(self) -> None:
+        """TAIL after the model, before sampling; then the canary's end of step."""
+        w = self.worker
+        if w is None:
+            return
+        meta = self._connector_metadata
+        snapshot = meta.snapshot if isinstance(meta, CanaryStepMeta) else None
+        if snapshot is not None and snapshot.block_size != w.block_size:
+            snapshot = None  # scheduler and kernel block sizes differ: no sweep this step
+        self._raising(w.after_forward, snapshot)
+
+    def _raising(self, fn: Any, arg: Any) -> None:
+        from kvcanary.canary import CanaryViolationError
+
+        try:
+            fn(arg)
+        except CanaryViolationError as exc:
+            first = str(exc).splitlines()[0]
+            logger.error("kv-canary: raise mode stops vLLM: %s", first)
+            raise
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks the recover policy wants vLLM to recompute (kept for it; empty here)."""
+        out, self.invalid_block_ids = self.invalid_block_ids, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's violation counts for the scheduler half."""
+        w = self.worker
+        if w is None or not w.figures.violations:
+            return None
+        return CanaryWorkerMeta(dict(w.figures.violations), w.figures.forwards)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Deltas for /metrics and vLLM's log (None when nothing happened)."""
+        w = self.worker
+        if w is None or w.figures.is_empty():
+            return None
+        f = w.take_figures()
+        return KVCanaryStats(data={"forwards": f.forwards, "checks": f.checks,
+                                   "sweeps": f.sweeps, "violations": dict(f.violations)})  # fmt: skip
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        """Rebuild stats on the logger's side."""
+        return KVCanaryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:  # fmt: skip
+        """The `kvcanary_*` counters."""
+        return KVCanaryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ------------------------------------------------------------------ scheduler half
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Keep the scheduler's pool and record each block's provenance as it is cached."""
+        self._pool = gpu_block_pool
+        STATE.pools.append(weakref.ref(gpu_block_pool))
+        STATE.ledger = self.ledger
+        ledger = self.ledger
+        pool_cls = type(gpu_block_pool)
+
+        def cache_full_blocks(request: Any, blocks: Any, num_cached_blocks: int,
+                              num_full_blocks: int, *args: Any, **kw: Any) -> Any:  # fmt: skip
+            # the class attribute at call time (a driver may patch the class later)
+            out = pool_cls.cache_full_blocks(gpu_block_pool, request, blocks, num_cached_blocks,
+                                             num_full_blocks, *args, **kw)  # fmt: skip
+            ledger.note_cached(blocks, num_cached_blocks, num_full_blocks)
+            return out
+
+        gpu_block_pool.cache_full_blocks = cache_full_blocks
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:  # fmt: skip
+        """Nothing external to load."""
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:  # fmt: skip
+        """Nothing to track."""
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """Mark the step as having a synchronous load (so the worker runs HEAD before the
+        forward) and attach the cached blocks when the worker's canary sweeps this step."""
+        meta = CanaryStepMeta()
+        if not self.config.enabled:
+            return meta
+        scheduler_output.has_sync_kv_loads = True
+        if int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)) <= 0 or STATE.bypass:
+            return meta  # no canary step this forward (no forward, or a bench's canary-off arm)
+        step, self._forward_steps = self._forward_steps, self._forward_steps + 1
+        interval = self.config.sweep_interval
+        if interval > 0 and step % interval == 0 and self._pool is not None:
+            meta.snapshot = snapshot_pool(self._pool, self.ledger, self._block_size)
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Count the workers' reported violations (scheduler side)."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, CanaryWorkerMeta):
+            self.violations_seen.update(meta.violations)
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        """Blocks are freed as usual."""
+        return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        """Blocks are freed as usual (hybrid allocator)."""
+        return False, None

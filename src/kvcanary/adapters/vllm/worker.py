@@ -1,0 +1,313 @@
+"""The worker half of the canary inside vLLM: install over the real caches, HEAD before / TAIL
+after each forward, sweeps of the scheduler's snapshot, per-step figures.
+
+Driven by `KVCanaryConnector` (worker role): `install` from `register_kv_caches`, `before_forward`
+from `start_load_kv` (inputs are prepared, the forward context holds attention's slot mapping),
+`after_forward` from `wait_for_save` (after the model, before sampling). vLLM is imported only
+inside functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvcanary.adapters.vllm.layout import LayerSources, LayoutError, TokenByteMap, build_sources
+from kvcanary.adapters.vllm.layout import calibrate as calibrate_layout
+from kvcanary.adapters.vllm.state import STATE, RunnerHooks
+from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
+from kvcanary.adapters.vllm.view import build_forward_view, split_waves
+from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, Violation
+
+if TYPE_CHECKING:
+    from kvcanary.canary import Canary, CanaryConfig
+
+__all__ = ["CanaryWorker", "StepFigures"]
+
+logger = logging.getLogger("kvcanary")
+#: keep at most this many drained violations for drivers that read them (oldest dropped)
+KEPT_VIOLATIONS = 1_000_000
+
+
+@dataclass
+class StepFigures:
+    """Figures since the last `take_figures` (they cross to the scheduler and /metrics)."""
+
+    forwards: int = 0
+    checks: int = 0
+    sweeps: int = 0
+    violations: Counter[str] = field(default_factory=Counter)  # "TAG|reason" -> count
+
+    def is_empty(self) -> bool:
+        """Nothing happened."""
+        return not (self.forwards or self.checks or self.sweeps or self.violations)
+
+
+def _layer_writer(static_ctx: Mapping[str, Any], name: str) -> Any:
+    layer = static_ctx[name]
+    impl = layer.impl
+
+    def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+              slots: torch.Tensor) -> None:  # fmt: skip
+        impl.do_kv_cache_update(layer, key, value, cache, slots)
+
+    return write
+
+
+def _keep_openmp_to_torch() -> None:
+    """Run the canary's numba kernels on numba's own `workqueue` threads unless the user chose a
+    threading layer (`NUMBA_THREADING_LAYER`). With numba's default pick (OpenMP, the libgomp
+    torch uses) the canary's `numba.set_num_threads` changes the OpenMP thread count of vLLM's
+    forward thread, and the CPU attention kernel then aborts (`cpu_attn_impl.hpp: Check failed:
+    input->metadata->thread_num == thread_num (2 vs. 1)`, seen in a multiprocess worker)."""
+    if "NUMBA_THREADING_LAYER" in os.environ:
+        return
+    import numba
+
+    try:
+        chosen = numba.threading_layer()
+    except ValueError:  # no parallel kernel ran yet in this process: the layer is still open
+        numba.config.THREADING_LAYER = "workqueue"
+        return
+    if chosen == "omp":
+        logger.warning("kv-canary: numba already runs on OpenMP in this process; set "
+                       "NUMBA_THREADING_LAYER=workqueue before starting vLLM")  # fmt: skip
+
+
+class CanaryWorker:
+    """One canary over layer 0 of one model runner's KV cache."""
+
+    def __init__(self, runner: Any, config: CanaryConfig, hooks: Any = None) -> None:
+        self.runner = runner
+        self.config = config
+        self.hooks = hooks
+        self.canary: Canary | None = None
+        self.layout: TokenByteMap | None = None
+        self.sources: LayerSources | None = None
+        self.walker = SnapshotWalker()
+        self.block_size = 0
+        self.figures = StepFigures()
+        self.kept: list[Violation] = []
+        self.canary_seconds = 0.0
+        self.split_forwards = 0
+        self.chunked_prefill_rows = 0
+        self._waves: list[ForwardView] = []
+        self._blocks: np.ndarray | None = None
+        self._last_checks = 0
+        self.last_request_ids: list[str] = []
+
+    # ------------------------------------------------------------------ install
+    def install(self, kv_caches: Mapping[str, torch.Tensor]) -> Canary | None:
+        """Calibrate layer 0's layout through its backend's write op and install the canary (None
+        with one WARNING when the configuration is out of scope)."""
+        _keep_openmp_to_torch()
+        from kvcanary.canary import CanaryLaunchCapacities, install
+
+        runner = self.runner
+        groups = runner.kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            logger.warning("kv-canary: vLLM adapter supports one KV cache group, got %d; "
+                           "canary off", len(groups))  # fmt: skip
+            return None
+        if getattr(runner, "speculative_config", None) is not None:
+            logger.warning("kv-canary: vLLM adapter does not support speculative decoding; off")
+            return None
+        name = groups[0].layer_names[0]
+        kv = kv_caches.get(name)
+        if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu" or kv.dim() != 4:
+            logger.warning("kv-canary: KV cache of %s is not a 4-D CPU tensor; canary off", name)
+            return None
+        self.block_size = int(runner.input_batch.block_table[0].block_size)
+        if kv.shape[2] != self.block_size:
+            logger.warning("kv-canary: KV block dim %d != block size %d; canary off",
+                           kv.shape[2], self.block_size)  # fmt: skip
+            return None
+        num_slots = int(kv.shape[0]) * self.block_size
+        mode = self.config.real_data.value
+        k_sources: tuple[Any, ...] = ()
+        v_sources: tuple[Any, ...] = ()
+        isa = getattr(runner.compilation_config.static_forward_context.get(name), "isa", "?")
+        if mode != "none":
+            static = runner.compilation_config.static_forward_context
+            try:
+                self.layout = calibrate_layout(kv, _layer_writer(static, name))
+            except (LayoutError, AttributeError, RuntimeError, TypeError) as exc:
+                logger.warning(
+                    "kv-canary: cannot read the KV layout of %s (dtype %s, ISA %s): %s; real-KV "
+                    "checks off for this cache", name, kv.dtype, isa, exc,
+                )  # fmt: skip
+            else:
+                read = 16 if mode == "partial" else self.layout.k.shape[2] * kv.element_size()
+                self.sources = build_sources(kv, self.layout, read)
+                k_sources, v_sources = self.sources.k_half(), self.sources.v_half()
+        group = BufferGroupSpec(kind=GroupKind.FULL, num_slots=num_slots,
+                                k_sources=k_sources, v_sources=v_sources)  # fmt: skip
+        sched = runner.vllm_config.scheduler_config
+        caps = CanaryLaunchCapacities.from_args(
+            req_to_token_pool_size=int(sched.max_num_seqs) + 1,
+            max_seq_len_per_req=int(runner.max_model_len), pool_slot_count=num_slots,
+            cuda_graph_max_bs=None, speculative_num_draft_tokens=None,
+            max_prefill_tokens=int(sched.max_num_batched_tokens), chunked_prefill_size=None,
+        )  # fmt: skip
+        if self.hooks is not None and hasattr(self.hooks, "runner"):
+            self.hooks.runner = runner
+        canary = install(self.config, [group], caps, perturb=self.hooks)
+        if canary is None:
+            return None
+        canary.mark_init_finished()
+        if self.config.sweep_interval > 0:
+            canary.attach_prefix_cache(walker=self.walker)
+        self.canary = canary
+        logger.info(
+            "kv-canary: installed on vLLM (mode=%s real_data=%s sweep_interval=%d "
+            "verify_token=%s slots=%d block_size=%d kv=%s %s isa=%s mirrored=%s)",
+            self.config.mode.value, mode, self.config.sweep_interval,
+            self.config.enable_verify_token_assert, num_slots, self.block_size,
+            tuple(kv.shape), kv.dtype, isa, ",".join(self.sources.mirrored) if self.sources
+            else "-",
+        )  # fmt: skip
+        return canary
+
+    # ------------------------------------------------------------------ per forward
+    def before_forward(self, slot_mapping: Any) -> None:
+        """Build this forward's view(s) from the runner and run HEAD for the first wave."""
+        canary = self.canary
+        if canary is None or STATE.bypass:
+            return
+        t0 = time.perf_counter()
+        view = self._view(slot_mapping)
+        if view is None:
+            return
+        self._waves = split_waves(view)
+        self.split_forwards += len(self._waves) > 1
+        if self.sources is not None and self.sources.mirror is not None:
+            r2t = view.req_to_token.numpy()
+            self._blocks = np.unique(np.concatenate(
+                [r2t[view.rows.numpy()].ravel(), view.out_slots.numpy()]) // self.block_size)
+            self.sources.mirror.refresh(self._blocks)
+        try:
+            canary.pre_forward(view=self._waves[0])
+        except Exception:
+            self._waves = []
+            raise
+        finally:
+            self.canary_seconds += time.perf_counter() - t0
+
+    def after_forward(self, snapshot: BlockSnapshot | None) -> None:
+        """TAIL (and later waves), then the end of the canary's step: sweep when due."""
+        canary = self.canary
+        if canary is None or not self._waves:
+            return
+        t0 = time.perf_counter()
+        waves, self._waves = self._waves, []
+        try:
+            mirror = self.sources.mirror if self.sources is not None else None
+            if mirror is not None:
+                mirror.refresh(self._blocks)
+            canary.post_forward(view=waves[0])
+            for later in waves[1:]:  # rows that hit prefix blocks written by this forward
+                canary.pre_forward(view=later)
+                canary.post_forward(view=later)
+            if isinstance(self.hooks, RunnerHooks):
+                self.hooks.after_forward(runner=self.runner, step=canary.step)
+            self.walker.snapshot = snapshot
+            if snapshot is not None and mirror is not None and canary.sweep_due:
+                mirror.refresh(np.unique(snapshot.rows[:, 0]))
+            sweeps = canary.sweep_passes
+            walks = self.walker.walks
+            try:
+                canary.end_step()
+            finally:
+                self.walker.snapshot = None
+                self.figures.sweeps += int(self.walker.walks > walks and canary.sweep_passes > sweeps)
+        finally:
+            self.figures.forwards += 1
+            self._collect()
+            self.canary_seconds += time.perf_counter() - t0
+
+    def _view(self, slot_mapping: Any) -> ForwardView | None:
+        runner = self.runner
+        ib = runner.input_batch
+        num_reqs = int(ib.num_reqs)
+        if num_reqs == 0:
+            return None
+        qsl = runner.query_start_loc.np[: num_reqs + 1]
+        num_scheduled = np.diff(qsl).astype(np.int64)
+        total = int(qsl[-1])
+        if total == 0:
+            return None
+        bt = ib.block_table[0]
+        mapping = None
+        if isinstance(slot_mapping, dict) and slot_mapping:
+            mapping = slot_mapping.get(runner.kv_cache_config.kv_cache_groups[0].layer_names[0])
+        if not isinstance(mapping, torch.Tensor):
+            mapping = bt.slot_mapping.cpu
+        computed = ib.num_computed_tokens_cpu[:num_reqs]
+        self.chunked_prefill_rows += int(
+            np.count_nonzero(computed + num_scheduled < ib.num_prompt_tokens[:num_reqs])
+        )
+        truth = None
+        if self.config.enable_verify_token_assert:
+            lens = ib.num_tokens_no_spec[:num_reqs]
+            truth = [ib.token_ids_cpu[i, : int(lens[i])] for i in range(num_reqs)]
+        self.last_request_ids = list(ib.req_ids[:num_reqs])
+        return build_forward_view(
+            block_table=bt.block_table.np, block_size=int(bt.block_size), num_computed=computed,
+            num_scheduled=num_scheduled, input_ids=runner.input_ids.cpu[:total].numpy(),
+            positions=runner.positions[:total].numpy(), slot_mapping=mapping[:total].numpy(),
+            truth_tokens=truth,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ figures
+    def _collect(self) -> None:
+        """Move new violations out of the canary's ring (it never fills), count them, and name
+        the vLLM requests whose slots they hit."""
+        canary = self.canary
+        assert canary is not None
+        checks = sum(canary.slot_run_counter.values())
+        self.figures.checks += checks - self._last_checks
+        self._last_checks = checks
+        new = canary.drain_violations()
+        if not new:
+            return
+        from kvcanary.contract import fail_reason_labels, tag_name
+
+        for v in new:
+            for reason in fail_reason_labels(v.fail_reason_bits) or ["none"]:
+                self.figures.violations[f"{tag_name(v.kernel_kind)}|{reason}"] += 1
+        self.kept.extend(new)
+        if len(self.kept) > KEPT_VIOLATIONS:
+            del self.kept[: len(self.kept) - KEPT_VIOLATIONS]
+        reqs = self._requests_of({v.slot_idx for v in new})
+        logger.warning("kv-canary: step %d: %d violation(s); vLLM request(s): %s",
+                       canary.step - 1, len(new), ", ".join(reqs) if reqs else "none running")  # fmt: skip
+
+    def _requests_of(self, slots: set[int]) -> list[str]:
+        """Running requests of the last forward whose block table covers one of `slots`."""
+        ib = self.runner.input_batch
+        bt = ib.block_table[0]
+        b = int(bt.block_size)
+        blocks = {s // b for s in slots if s >= b}  # block 0 is the null block
+        out = []
+        for i, rid in enumerate(self.last_request_ids):
+            if i < ib.num_reqs and blocks.intersection(bt.block_table.np[i].tolist()):
+                out.append(str(rid))
+        return out
+
+    def take_figures(self) -> StepFigures:
+        """The figures since the previous call (then reset)."""
+        out, self.figures = self.figures, StepFigures()
+        return out
+
+    def drain_violations(self) -> list[Violation]:
+        """Violations collected since the previous drain."""
+        out, self.kept = self.kept, []
+        return out

