@@ -117,7 +117,7 @@ def bench_order(name: str, order: np.ndarray, args: argparse.Namespace) -> dict[
 
     def write() -> None:
         fast.write(
-            buf, case["seeds"], case["req_offsets"], case["w_slots"], case["input_ids"],
+            buf, case["seeds"], case["req_offsets"], case["w_slots"], False, case["input_ids"],
             case["positions"], False, no_assert, no_assert, True, *src.words, src.params,
             src.count, 2, ring_words, state,
         )  # fmt: skip

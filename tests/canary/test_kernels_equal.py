@@ -104,11 +104,12 @@ def run(kernels: Any, b: dict[str, Any]) -> dict[str, Any]:
     plan = kernels.build_plan(
         b["rows"], b["prefix"], b["extend"], b["r2t"], b["out"], b["lut"], b["use_lut"],
         b["window"], b["num_slots"], b["truth"], b["truth_lens"], b["offset"], b["verify_capacity"],
+        np.full(b["num_slots"], -1, dtype=np.int64),
     )  # fmt: skip
     if int(plan[9][0]) != 0:
         return {"error": np.asarray(plan[9]).tolist()}  # arrays are unspecified on error
     result: dict[str, Any] = {"plan": [np.asarray(x).tolist() for x in plan]}
-    ro, seeds, ws, vs, vp, vpos, vt, _total, overflow, _err = plan
+    ro, seeds, ws, vs, vp, vpos, vt, _total, overflow, _err, shadowed = plan
     buf = b["records"].copy().view(np.uint64)
     ring = np.zeros((b["ring_capacity"], 8), dtype=np.int64)
     state = np.zeros(1, dtype=np.int64)
@@ -128,7 +129,7 @@ def run(kernels: Any, b: dict[str, Any]) -> dict[str, Any]:
             state,
         )
     kernels.write(
-        buf, seeds, ro, ws, b["ids"], b["positions"], b["write_assert"], b["exp_tok"], b["exp_pos"],
+        buf, seeds, ro, ws, shadowed, b["ids"], b["positions"], b["write_assert"], b["exp_tok"], b["exp_pos"],
         b["chain_position"], *src.words, src.params, src.count, b["tag"], ring.view(np.uint64), state,
     )  # fmt: skip
     # Row 0 may be written by several requests in one forward; it is never read.
@@ -218,7 +219,7 @@ def run_chains(kernels: Any, b: dict[str, Any]) -> tuple[bytes, bytes, int]:
     src = FoldSources.empty()
     exp = b["ids"] + (np.arange(len(b["ids"])) % 7 == 0)  # some write-assert mismatches
     kernels.write(
-        buf, b["seeds"], b["offsets"], b["w_slots"], b["ids"], b["positions"], b["write_assert"],
+        buf, b["seeds"], b["offsets"], b["w_slots"], False, b["ids"], b["positions"], b["write_assert"],
         exp, b["positions"], b["chain_position"], *src.words, src.params, src.count, 2,
         ring.view(np.uint64), state,
     )  # fmt: skip

@@ -8,9 +8,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcanary.canary.config import RealDataMode
-from kvcanary.canary.plan import as_int_array
+from kvcanary.canary.plan import new_write_marks
 from kvcanary.canary.records import new_record_buffer, record_words
 from kvcanary.canary.sources import FoldSources
+from kvcanary.canary.view_checks import as_int_array, check_slot_range, slot_error
 from kvcanary.contract.groups import BufferGroupSpec, GroupKind
 
 __all__ = ["STAGES_WITH_BUFFERS", "GroupBuffers"]
@@ -32,8 +33,11 @@ class GroupBuffers:
         self.window = spec.window
         self.offset = spec.kv_token_id_vs_position_offset
         self.lut: npt.NDArray[np.integer[Any]] | None = (
-            as_int_array("full_to_swa", spec.full_to_swa) if spec.full_to_swa is not None else None
+            as_int_array("full_to_swa", spec.full_to_swa, 1)
+            if spec.full_to_swa is not None
+            else None
         )
+        self.write_marks = new_write_marks(spec.num_slots)  # build_group_plan's scratch
         self.halves: tuple[str, ...] = ("k", "v") if (enable_v and spec.has_v) else ("k",)
         all_halves = ("k", "v") if spec.has_v else ("k",)
         self._buffers = {
@@ -64,9 +68,19 @@ class GroupBuffers:
         """HEAD folds nothing; TAIL and SWEEP fold the half's real-KV sources."""
         return self.sources[half] if stage != "head" else _EMPTY
 
-    def translate(self, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """Map full-pool slots into this group (identity for FULL; -1 preserved)."""
+    def translate(
+        self, slots: npt.NDArray[np.int64], *, allow_none: bool = True
+    ) -> npt.NDArray[np.int64]:
+        """Map full-pool slots (walker output) into this group, range-checked (SPEC §14.2).
+
+        Identity for FULL, the SWA table for SWA; -1 is kept when `allow_none` (a walker's
+        `prev_slot`) and an error otherwise (its `slot`). A value outside the table raises the
+        SWA message; any result outside `[0, num_slots)` the slot message. Vectorised.
+        """
         if self.lut is None:
+            check_slot_range(
+                slots, group_name=self.name, num_slots=self.num_slots, allow_none=allow_none
+            )
             return slots
         bad = (slots < -1) | (slots >= len(self.lut))
         if bad.any():
@@ -74,7 +88,14 @@ class GroupBuffers:
                 f"kv-canary: SWA slot {int(slots[bad][0])} is outside "
                 f"full_to_swa_index_mapping length {len(self.lut)}"
             )
-        return np.where(slots == -1, -1, self.lut[np.maximum(slots, 0)]).astype(np.int64)
+        if not allow_none and (slots == -1).any():
+            raise slot_error(-1, self.name, self.num_slots)
+        none = slots == -1
+        out = np.where(none, -1, self.lut[np.maximum(slots, 0)]).astype(np.int64)
+        check_slot_range(
+            out[~none], group_name=self.name, num_slots=self.num_slots, allow_none=False
+        )
+        return out
 
 
 _EMPTY = FoldSources.empty()

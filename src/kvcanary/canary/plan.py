@@ -9,33 +9,28 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from kvcanary.canary.capacities import CanaryLaunchCapacities
+from kvcanary.canary.view_checks import (
+    as_int_array,
+    check_rows_fit,
+    needed_tokens,
+    slot_error,
+)
 from kvcanary.contract.errors import CanaryContractError
 from kvcanary.contract.view import ForwardView
 
-__all__ = ["GroupPlan", "ViewSnapshot", "as_int_array", "build_group_plan", "snapshot_view"]
+__all__ = [
+    "GroupPlan",
+    "ViewSnapshot",
+    "as_int_array",
+    "build_group_plan",
+    "new_write_marks",
+    "snapshot_view",
+]
 
 I64 = npt.NDArray[np.int64]
 _NO_WINDOW = 1 << 62
-
-
-def as_int_array(name: str, value: Any) -> npt.NDArray[np.integer[Any]]:
-    """A NumPy view of an int32/int64 tensor or array (shares memory); TypeError otherwise."""
-    dtype = value.dtype
-    if isinstance(value, torch.Tensor):
-        if dtype not in (torch.int32, torch.int64):
-            raise TypeError(
-                f"kv-canary: forward_view.{name} must have an int32 or int64 dtype, got {dtype}"
-            )
-        return value.detach().numpy()
-    arr = np.asarray(value)
-    if arr.dtype not in (np.int32, np.int64):
-        raise TypeError(
-            f"kv-canary: forward_view.{name} must have an int32 or int64 dtype, got {dtype}"
-        )
-    return arr
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,18 +68,19 @@ def snapshot_view(
     write_assert: bool,
     token_check: bool,
 ) -> ViewSnapshot:
-    """Validate `view` against the contract and capacities, and snapshot it."""
+    """Validate `view` against the contract and capacities (SPEC §2.2, §6, §14.2), and snapshot
+    it: the flat arrays are copied, `req_to_token` stays the live table."""
     rows, prefix_lens, extend_lens = (
-        as_int_array(n, getattr(view, n)).astype(np.int64)
+        as_int_array(n, getattr(view, n), 1).astype(np.int64)
         for n in ("rows", "prefix_lens", "extend_lens")
     )
     _same_length(("rows", "prefix_lens", "extend_lens"), (rows, prefix_lens, extend_lens))
     flat = tuple(
-        as_int_array(n, getattr(view, n)).astype(np.int64)
+        as_int_array(n, getattr(view, n), 1).astype(np.int64)
         for n in ("input_ids", "positions", "out_slots")
     )
     _same_length(("input_ids", "positions", "out_slots"), flat)
-    req_to_token = as_int_array("req_to_token", view.req_to_token)
+    req_to_token = as_int_array("req_to_token", view.req_to_token, 2)
     active = rows != 0
     if active.any() and not active[: int(np.flatnonzero(active)[-1]) + 1].all():
         first_pad = int(np.flatnonzero(~active)[0])
@@ -92,7 +88,7 @@ def snapshot_view(
             f"kv-canary: forward_view padding row at index {first_pad} precedes an active row"
         )
     num_tokens = len(flat[0])
-    needed = int(np.where(active, np.maximum(extend_lens, 0), 0).sum())
+    needed = needed_tokens(active, extend_lens, num_tokens)
     if needed > num_tokens:
         raise CanaryContractError(
             f"kv-canary: forward_view active rows need {needed} tokens but only {num_tokens} "
@@ -111,23 +107,23 @@ def snapshot_view(
             "--chunked-prefill-size / --max-prefill-tokens or check "
             "CanaryLaunchCapacities.from_args"
         )
+    check_rows_fit(rows, prefix_lens, extend_lens, req_to_token.shape)
     empty = np.zeros(0, dtype=np.int64)
     exp_tok, exp_pos = empty, empty
-    write_assert = write_assert and not view.skip_write_input_assert
+    write_assert = write_assert and not bool(view.skip_write_input_assert)
     if write_assert and view.expected_inputs is not None:
-        for name in ("tokens", "positions"):
-            value = getattr(view.expected_inputs, name)
+        expected = {
+            name: as_int_array(f"expected_inputs.{name}", getattr(view.expected_inputs, name))
+            for name in ("tokens", "positions")
+        }
+        for name, value in expected.items():
             if tuple(value.shape) != (num_tokens,):
                 raise ValueError(
                     f"kv-canary: expected_inputs.{name} shape {tuple(value.shape)} != num_tokens "
                     f"{num_tokens}; caller must slice before invoking"
                 )
-        exp_tok = as_int_array("expected_inputs.tokens", view.expected_inputs.tokens).astype(
-            np.int64
-        )
-        exp_pos = as_int_array("expected_inputs.positions", view.expected_inputs.positions).astype(
-            np.int64
-        )
+        exp_tok = expected["tokens"].astype(np.int64)
+        exp_pos = expected["positions"].astype(np.int64)
     else:
         write_assert = False
     truth, truth_lens = _truth_table(view, len(rows), req_to_token.shape[1], token_check)
@@ -144,7 +140,7 @@ def snapshot_view(
         write_assert=write_assert,
         truth=truth,
         truth_lens=truth_lens,
-        linear_chain=view.linear_chain,
+        linear_chain=bool(view.linear_chain),
     )
 
 
@@ -152,19 +148,40 @@ def _truth_table(view: ForwardView, nrows: int, ncols: int, token_check: bool) -
     lens = np.zeros(nrows, dtype=np.int64)
     if not token_check or view.truth_tokens is None:
         return np.zeros((nrows, 0), dtype=np.int64), lens
-    seqs = list(view.truth_tokens)[:nrows]
+    try:
+        seqs = [_truth_row(seq) for seq in list(view.truth_tokens)[:nrows]]
+    except (TypeError, ValueError, OverflowError) as err:
+        raise TypeError(
+            "kv-canary: forward_view.truth_tokens must be one sequence of int64 token ids per "
+            f"active row ({err})"
+        ) from None
     width = min(max((len(s) for s in seqs), default=0), ncols)
     table = np.zeros((nrows, width), dtype=np.int64)
     for r, seq in enumerate(seqs):
         n = min(len(seq), width)
-        table[r, :n] = np.asarray(seq[:n], dtype=np.int64)
+        table[r, :n] = seq[:n]
         lens[r] = len(seq)
     return table, lens
 
 
+def _truth_row(seq: Any) -> I64:
+    """One row's truth tokens as int64; TypeError for anything but a 1-D integer sequence."""
+    if isinstance(seq, (str, bytes)):
+        raise TypeError(f"got {type(seq).__name__}")
+    row = np.asarray(seq)
+    if row.ndim != 1 or not (row.size == 0 or np.issubdtype(row.dtype, np.integer)):
+        raise TypeError(f"got shape {row.shape} dtype {row.dtype}")
+    return row.astype(np.int64)
+
+
 @dataclass(frozen=True, slots=True)
 class GroupPlan:
-    """One group's plan: write chains per request and verify entries (empty on overflow)."""
+    """One group's plan: write chains per request and verify entries (empty on overflow).
+
+    Every slot in it is inside the group (SPEC §14.2): `seeds` and `w_slots` in
+    `[-1, num_slots)`, `v_slot` in `[0, num_slots)`, `v_prev` in `[-1, num_slots)`. `shadowed`
+    is True when two write entries name one slot, so writes must run in flat order (§14.1).
+    """
 
     req_offsets: I64
     seeds: I64
@@ -175,11 +192,17 @@ class GroupPlan:
     v_tok: I64
     verify_total: int
     overflow: bool
+    shadowed: bool = False
 
     @property
     def num_writes(self) -> int:
         """Write entries that store a record (slot >= 0)."""
         return int(np.count_nonzero(self.w_slots >= 0))
+
+
+def new_write_marks(num_slots: int) -> I64:
+    """The scratch array `build_group_plan` needs per group (one entry per slot, never reset)."""
+    return np.full(num_slots, -1, dtype=np.int64)
 
 
 def build_group_plan(
@@ -192,14 +215,22 @@ def build_group_plan(
     window: int | None,
     offset: int,
     verify_capacity: int,
+    marks: I64,
 ) -> GroupPlan:
-    """Run the kernel plan builder for one group and turn its error codes into exceptions."""
+    """Run the kernel plan builder for one group and turn its error codes into exceptions.
+
+    The plan builder range-checks every slot it emits (seeds, write slots, verify slots and
+    predecessors, SWA table values), so no verify or write kernel ever indexes out of the
+    group, whatever the view holds. `marks` is the group's `new_write_marks` scratch.
+    """
+    if marks.shape != (num_slots,) or marks.dtype != np.int64:
+        raise ValueError(f"kv-canary: marks must be int64[{num_slots}], got {marks.shape}")
     use_lut = lut is not None
     lut_arr = lut if lut is not None else np.zeros(0, dtype=np.int64)
     out = kernels.build_plan(
         snap.rows, snap.prefix_lens, snap.extend_lens, snap.req_to_token, snap.out_slots,
         lut_arr, use_lut, _NO_WINDOW if window is None else window, num_slots,
-        snap.truth, snap.truth_lens, offset, verify_capacity,
+        snap.truth, snap.truth_lens, offset, verify_capacity, marks,
     )  # fmt: skip
     err_kind, err_value = int(out[9][0]), int(out[9][1])
     if err_kind == 1:
@@ -208,16 +239,20 @@ def build_group_plan(
             f"{len(lut_arr)}"
         )
     if err_kind == 2:
-        raise ValueError(
-            f"kv-canary: slot {err_value} is outside the {group_name} group's {num_slots} slots"
-        )
-    if err_kind == 3:
-        raise CanaryContractError(
-            f"kv-canary: forward_view row at index {err_value} (req_to_token row "
-            f"{int(snap.rows[err_value])}) reaches past req_to_token's shape "
-            f"{tuple(snap.req_to_token.shape)}"
-        )
+        raise slot_error(err_value, group_name, num_slots)
+    if err_kind == 3:  # snapshot_view checked the rows already; kept for direct callers
+        check_rows_fit(snap.rows, snap.prefix_lens, snap.extend_lens, snap.req_to_token.shape)
+        raise CanaryContractError("kv-canary: forward_view rows reach past req_to_token")
     req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok = out[:7]
     return GroupPlan(
-        req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, int(out[7]), bool(out[8])
+        req_offsets,
+        seeds,
+        w_slots,
+        v_slot,
+        v_prev,
+        v_pos,
+        v_tok,
+        int(out[7]),
+        bool(out[8]),
+        bool(out[10]),
     )

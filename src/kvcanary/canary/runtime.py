@@ -23,6 +23,7 @@ from kvcanary.canary.perturb_seam import PerturbHooks, PerturbRecord
 from kvcanary.canary.plan import GroupPlan, ViewSnapshot, build_group_plan, snapshot_view
 from kvcanary.canary.ring import ViolationRing
 from kvcanary.canary.sources import FoldSources
+from kvcanary.canary.view_checks import walker_entries
 from kvcanary.contract.errors import CanaryContractError
 from kvcanary.contract.groups import BufferGroupSpec, GroupKind
 from kvcanary.contract.incident import Incident
@@ -276,6 +277,7 @@ class Canary:
             window=g.window,
             offset=g.offset,
             verify_capacity=self.capacities.verify_capacity,
+            marks=g.write_marks,
         )
         if plan.overflow:
             warn_verify_overflow(plan.verify_total, self.capacities.verify_capacity)
@@ -307,7 +309,7 @@ class Canary:
                 scratch = self._pass_rows
                 scratch.prepare(2 * len(plan.w_slots))  # write-input + chain-position per entry
                 self._kernels.write(
-                    words, plan.seeds, plan.req_offsets, plan.w_slots, snap.input_ids,
+                    words, plan.seeds, plan.req_offsets, plan.w_slots, plan.shadowed, snap.input_ids,
                     snap.positions, snap.write_assert, snap.expected_tokens,
                     snap.expected_positions, chain_position, *src.words, src.params, src.count,
                     int(tag), scratch.words, scratch.state,
@@ -346,9 +348,7 @@ class Canary:
 
     def _sweep(self) -> None:
         assert self._walker is not None
-        walked = np.fromiter(
-            (x for entry in self._walker.walk() for x in entry), dtype=np.int64
-        ).reshape(-1, 3)
+        walked = walker_entries(self._walker)  # range-checked per group by translate
         with _launch_threads(len(walked)):
             self._sweep_groups(walked)
         self.sweep_passes += 1
@@ -359,7 +359,8 @@ class Canary:
 
     def _sweep_groups(self, walked: npt.NDArray[np.int64]) -> None:
         for g in self.groups:
-            slots, prevs = g.translate(walked[:, 0].copy()), g.translate(walked[:, 2].copy())
+            slots = g.translate(walked[:, 0].copy(), allow_none=False)
+            prevs = g.translate(walked[:, 2].copy())
             # An evicted SWA slot translates to 0 and is skipped by verify.
             tokens = np.full(len(slots), -1, dtype=np.int64)
             for half in g.halves:

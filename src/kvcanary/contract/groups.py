@@ -72,6 +72,12 @@ class RealKvSource:
                 f"num_bytes_per_token={nbpt} needs {need}"
             )
 
+        if not _rows_dense(t):
+            raise ValueError(
+                "kv-canary: RealKvSource.tensor must be dense past dim 0 (each row one run of "
+                f"bytes), got shape={tuple(t.shape)}, strides={t.stride()}"
+            )
+
     @property
     def row_bytes(self) -> int:
         """Bytes in one row: every dimension past 0, times the element size."""
@@ -131,3 +137,23 @@ class BufferGroupSpec:
             raise ValueError("kv-canary: full_to_swa and window are only valid for a SWA group")
         if self.window is not None and self.window < 1:
             raise ValueError(f"kv-canary: SWA window must be positive, got {self.window}")
+        for half, sources in (("k", self.k_sources), ("v", self.v_sources)):
+            for i, src in enumerate(sources):
+                if src.num_slots < self.num_slots:
+                    raise ValueError(
+                        f"kv-canary: {self.kind.value} group {half}_sources[{i}] covers "
+                        f"{src.num_slots} slots ({src.tensor.shape[0]} rows x page_size="
+                        f"{src.page_size}) but the group has {self.num_slots}; a source needs a "
+                        "row for every page of the pool"
+                    )
+
+
+def _rows_dense(t: torch.Tensor) -> bool:
+    """True when every dimension past 0 is laid out densely (row-major), so a row's bytes are
+    one contiguous run; size-1 dimensions may have any stride."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True

@@ -1,26 +1,77 @@
-"""Numba `build_plan`: translate an endpoint's slots and lay out its write and verify plans
-(SPEC §4); byte-equal to `kernels.reference.build_plan`."""
+"""Numba `build_plan`: translate an endpoint's slots, range-check every one of them and lay out
+its write and verify plans (SPEC §5.1, §14.2); byte-equal to `kernels.reference.build_plan`.
+
+Every slot the verify and write kernels will touch comes out of this function, so it is where
+SPEC §14.2's range checks live: those kernels index record buffers with plan values unchecked.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
+# Error kinds of the returned `err = (kind, value)`; see `kernels.reference.build_plan`.
+_OK, _LUT_INDEX, _SLOT_RANGE, _ROW_RANGE = 0, 1, 2, 3
+
 
 @njit(cache=True, inline="always")
-def _translate(x, lut, use_lut):  # type: ignore[no-untyped-def]
-    """SWA translation T; returns (value, ok)."""
-    if not use_lut or x == -1:
-        return x, True
-    if x < 0 or x >= lut.shape[0]:
-        return x, False
-    return lut[x], True
+def _translate(x, lut, use_lut, num_slots, allow_none):  # type: ignore[no-untyped-def]
+    """(T(x), error kind): SWA translation T, then the group's range check.
+
+    -1 maps to -1, an error unless `allow_none` (the "no slot" sentinel of out_slots, seeds and
+    predecessors). A LUT index outside the LUT is kind 1, any other value outside
+    `[0, num_slots)` (a full-pool slot, or a LUT value) kind 2.
+    """
+    if x == -1:
+        return x, _OK if allow_none else _SLOT_RANGE
+    v = x
+    if use_lut:
+        if x < 0 or x >= lut.shape[0]:
+            return x, _LUT_INDEX
+        v = lut[x]
+    if v < 0 or v >= num_slots:
+        return v, _SLOT_RANGE
+    return v, _OK
+
+
+@njit(cache=True)
+def _rows_fit(rows, prefix_lens, req_offsets, nrows_table, ncols):  # type: ignore[no-untyped-def]
+    """Index of the first active row outside `req_to_token` (row index, or positions past its
+    width, overflow-safe), or -1."""
+    for r in range(rows.shape[0]):
+        if rows[r] == 0:
+            continue
+        wl = req_offsets[r + 1] - req_offsets[r]
+        if rows[r] < 0 or rows[r] >= nrows_table or prefix_lens[r] > ncols - wl:
+            return r
+    return -1
+
+
+@njit(cache=True)
+def _shadowed_writes(w_slots, marks):  # type: ignore[no-untyped-def]
+    """True when two write entries name one slot (slot 0 included).
+
+    `marks` is a per-group scratch array of `num_slots` entry indices that is never reset: entry
+    `i` stores `marks[s] = i`, and an earlier entry `j` wrote `s` in this plan exactly when
+    `j = marks[s] < i` and `w_slots[j] == s`, whatever stale values earlier plans left (the
+    sparse-set trick), so the check is one pass with no clearing.
+    """
+    dup = False
+    for i in range(w_slots.shape[0]):
+        s = w_slots[i]
+        if s < 0:
+            continue
+        j = marks[s]
+        if j >= 0 and j < i and w_slots[j] == s:
+            dup = True
+        marks[s] = i
+    return dup
 
 
 @njit(cache=True)
 def build_plan(  # type: ignore[no-untyped-def]
     rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window, num_slots,
-    truth, truth_lens, offset, verify_capacity,
+    truth, truth_lens, offset, verify_capacity, marks,
 ):  # fmt: skip
     """See `kernels.reference.build_plan`."""
     nrows = rows.shape[0]
@@ -32,46 +83,35 @@ def build_plan(  # type: ignore[no-untyped-def]
         req_offsets[r + 1] = req_offsets[r] + wl
     total_w = req_offsets[nrows]
     seeds = np.full(nrows, -1, dtype=np.int64)
-    w_slots = np.empty(total_w, dtype=np.int64)
+    empty = np.empty(0, dtype=np.int64)
+    bad_row = _rows_fit(rows, prefix_lens, req_offsets, r2t.shape[0], ncols)
+    if bad_row >= 0 or total_w > out_slots.shape[0]:
+        err[0] = _ROW_RANGE
+        err[1] = bad_row
+        return req_offsets, seeds, empty, empty, empty, empty, empty, 0, False, err, False
     total_v = 0
     for r in range(nrows):
         if rows[r] == 0:
             continue
         wl = req_offsets[r + 1] - req_offsets[r]
-        if prefix_lens[r] + wl > ncols or rows[r] < 0 or rows[r] >= r2t.shape[0]:
-            err[0] = 3
-            err[1] = r
-            return req_offsets, seeds, w_slots, w_slots, w_slots, w_slots, w_slots, 0, False, err
         if prefix_lens[r] > 0 and wl > 0:
-            s, ok = _translate(r2t[rows[r], prefix_lens[r] - 1], lut, use_lut)
-            if not ok:
-                err[0] = 1
+            s, kind = _translate(r2t[rows[r], prefix_lens[r] - 1], lut, use_lut, num_slots, True)
+            if kind != _OK:
+                err[0] = kind
                 err[1] = s
-                return (
-                    req_offsets,
-                    seeds,
-                    w_slots,
-                    w_slots,
-                    w_slots,
-                    w_slots,
-                    w_slots,
-                    0,
-                    False,
-                    err,
-                )
+                return req_offsets, seeds, empty, empty, empty, empty, empty, 0, False, err, False
             seeds[r] = -1 if s == 0 else s
-        total_v += max(prefix_lens[r] - max(0, prefix_lens[r] - window), 0)
+        if prefix_lens[r] > 0:
+            total_v += prefix_lens[r] - max(0, prefix_lens[r] - window)
+    w_slots = np.empty(total_w, dtype=np.int64)
     for i in range(total_w):
-        s, ok = _translate(out_slots[i], lut, use_lut)
-        if not ok:
-            err[0] = 1
+        s, kind = _translate(out_slots[i], lut, use_lut, num_slots, True)
+        if kind != _OK:
+            err[0] = kind
             err[1] = s
-            return req_offsets, seeds, w_slots, w_slots, w_slots, w_slots, w_slots, 0, False, err
-        if s < -1 or s >= num_slots:
-            err[0] = 2
-            err[1] = s
-            return req_offsets, seeds, w_slots, w_slots, w_slots, w_slots, w_slots, 0, False, err
+            return req_offsets, seeds, empty, empty, empty, empty, empty, 0, False, err, False
         w_slots[i] = s
+    shadowed = _shadowed_writes(w_slots, marks)
     overflow = total_v > verify_capacity
     n = 0 if overflow else total_v
     v_slot = np.empty(n, dtype=np.int64)
@@ -79,31 +119,39 @@ def build_plan(  # type: ignore[no-untyped-def]
     v_pos = np.empty(n, dtype=np.int64)
     v_tok = np.empty(n, dtype=np.int64)
     if overflow:
-        return req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, True, err
+        return (
+            req_offsets,
+            seeds,
+            w_slots,
+            v_slot,
+            v_prev,
+            v_pos,
+            v_tok,
+            total_v,
+            True,
+            err,
+            shadowed,
+        )
     k = 0
     for r in range(nrows):
         if rows[r] == 0:
             continue
         row = rows[r]
-        limit = min(truth_lens[r], ncols, truth.shape[1])
+        limit = min(truth_lens[r], ncols, truth.shape[1]) if r < truth.shape[0] else 0
         for pos in range(max(0, prefix_lens[r] - window), prefix_lens[r]):
-            s, ok = _translate(r2t[row, pos], lut, use_lut)
+            s, kind = _translate(r2t[row, pos], lut, use_lut, num_slots, False)
             p = -1
-            ok2 = True
-            if pos > 0:
-                p, ok2 = _translate(r2t[row, pos - 1], lut, use_lut)
-            if not ok or not ok2:
-                err[0] = 1
-                err[1] = s if not ok else p
-                return req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, 0, False, err
-            if s < 0 or s >= num_slots or p < -1 or p >= num_slots:
-                err[0] = 2
-                err[1] = s if (s < 0 or s >= num_slots) else p
-                return req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, 0, False, err
+            kind2 = _OK
+            if kind == _OK and pos > 0:
+                p, kind2 = _translate(r2t[row, pos - 1], lut, use_lut, num_slots, True)
+            if kind != _OK or kind2 != _OK:
+                err[0] = kind if kind != _OK else kind2
+                err[1] = s if kind != _OK else p
+                return req_offsets, seeds, w_slots, empty, empty, empty, empty, 0, False, err, False
             t = pos + offset
             v_slot[k] = s
             v_prev[k] = p
             v_pos[k] = pos
             v_tok[k] = truth[r, t] if 0 <= t < limit else -1
             k += 1
-    return req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, False, err
+    return req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, False, err, shadowed

@@ -163,7 +163,8 @@ def _chains_folded(  # type: ignore[no-untyped-def]
     bad = np.empty(nreq, dtype=np.bool_)  # every request's entry is set by its task
     # Each task runs up to _LANES requests' chains interleaved, one entry of each in turn: the
     # chains are independent, so the CPU overlaps their mix3 latencies. Task g owns requests
-    # g, g + ntasks, ... (no two tasks write one request's rows, nor one slot: distinct slots).
+    # g, g + ntasks, ... (no two tasks write one request's rows, nor one slot: a plan that writes
+    # a slot twice runs `_chains_in_order` instead).
     ntasks = _write_tasks(nreq)
     nw = w_slots.shape[0]
     for g in prange(ntasks):
@@ -220,18 +221,47 @@ def _chains_folded(  # type: ignore[no-untyped-def]
     return bad
 
 
+@njit(cache=True)
+def _chains_in_order(  # type: ignore[no-untyped-def]
+    buf, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos, seeds,
+    chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+):  # fmt: skip
+    """Every request's chain on this thread, in flat order (SPEC §14.1): when two entries name
+    one slot the later entry's record remains, as in `kernels.reference`. Used when the plan says
+    some slot is written twice (the double-allocation bug class), where the parallel chains
+    would race; returns per request whether it needs ring rows."""
+    nreq = seeds.shape[0]
+    nw = w_slots.shape[0]
+    bad = np.empty(nreq, dtype=np.bool_)
+    for r in range(nreq):
+        i, e, running, prev_pos, do_pos = _lane(
+            r, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        nb = 0
+        while i < e:
+            running, prev_pos, b = _write_step(
+                buf, i, nw, running, prev_pos, do_pos, w_slots, input_ids, positions, do_assert,
+                exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+            )  # fmt: skip
+            nb += b
+            i += 1
+        bad[r] = nb != 0
+    return bad
+
+
 @njit(cache=True, parallel=True)
 def write(  # type: ignore[no-untyped-def]
-    buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-    chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
+    buf, seeds, req_offsets, w_slots, in_order, input_ids, positions, do_assert, exp_tok,
+    exp_pos, chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
 ):  # fmt: skip
-    """Write one serial chain per request (parallel across requests), then record rows."""
+    """Write one serial chain per request (parallel across requests, or in flat order when
+    `in_order`, the plan's `shadowed`), then record rows."""
     nreq = seeds.shape[0]
     # np.empty, not np.zeros: in a parallel function numba runs np.zeros as a parallel loop, and
     # every parallel region is a thread barrier, slow when another process holds a core.
     start_hash = np.empty(nreq, dtype=np.uint64)
     start_pos = np.empty(nreq, dtype=np.int64)
-    # Seeds are read before any record of this endpoint is written.
+    # Seeds are read before any record of this endpoint is written (snapshot, SPEC §14.1).
     for r in range(nreq):
         seed = seeds[r]
         if seed >= 1:
@@ -240,7 +270,12 @@ def write(  # type: ignore[no-untyped-def]
         else:
             start_hash[r] = HEAD_HASH_U64
             start_pos[r] = 0
-    if count == 0 and not do_assert:
+    if in_order:
+        bad = _chains_in_order(
+            buf, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos, seeds,
+            chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+        )  # fmt: skip
+    elif count == 0 and not do_assert:
         bad = _chains_plain(
             buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash,
             start_pos,

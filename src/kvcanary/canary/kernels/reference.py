@@ -40,94 +40,117 @@ def _record(ring: Arr, state: Arr, *cols: Any) -> None:
         ring[seq] = [_u(c) for c in cols]
 
 
-def _translate(x: Any, lut: Arr, use_lut: bool) -> tuple[int, bool]:
+def _translate(
+    x: Any, lut: Arr, use_lut: bool, num_slots: int, allow_none: bool
+) -> tuple[int, int]:
+    """(T(x), error kind): SWA translation, then the group's range check (SPEC §2.3, §14.2).
+
+    -1 is the "no slot" sentinel (kind 2 unless `allow_none`); a LUT index outside the LUT is
+    kind 1; any other value outside `[0, num_slots)`, a LUT value included, kind 2.
+    """
     x = int(x)
-    if not use_lut or x == -1:
-        return x, True
-    if not 0 <= x < len(lut):
-        return x, False
-    return int(lut[x]), True
+    if x == -1:
+        return x, 0 if allow_none else 2
+    if use_lut:
+        if not 0 <= x < len(lut):
+            return x, 1
+        x = int(lut[x])
+    return x, 0 if 0 <= x < num_slots else 2
 
 
 def build_plan(
     rows: Arr, prefix_lens: Arr, extend_lens: Arr, r2t: Arr, out_slots: Arr, lut: Arr,
     use_lut: bool, window: int, num_slots: int, truth: Arr, truth_lens: Arr, offset: int,
-    verify_capacity: int,
+    verify_capacity: int, marks: Arr,
 ) -> tuple[Any, ...]:  # fmt: skip
-    """Build one group's plan (SPEC §5.1).
+    """Build one group's plan (SPEC §5.1) and range-check every slot in it (SPEC §14.2).
 
     Returns `(req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, verify_total, overflow,
-    err)`. `err = (kind, value)`: kind 1 is a SWA index outside the LUT, 2 a slot outside the
-    group, 3 a row (value = batch index) whose positions exceed `req_to_token`; 0 means no error.
+    err, shadowed)`. `err = (kind, value)`: kind 1 is a SWA index outside the LUT, 2 a slot (or
+    LUT value) outside the group, 3 an active row (value = batch index, or -1 when the flat
+    arrays are too short) outside `req_to_token`; 0 means no error, and on error the arrays are
+    unspecified. Checked in order: rows, seeds, write slots, then verify entries (slot, then
+    prev), each in plan order. `shadowed` is True when two write entries name one slot, so the
+    writes must be applied in flat order (SPEC §14.1). `marks` is the fast kernel's scratch
+    array (unused here).
     """
+    del marks
     i64 = np.int64
     nrows, ncols = len(rows), r2t.shape[1]
     wl = [max(int(extend_lens[r]), 0) if rows[r] != 0 else 0 for r in range(nrows)]
-    req_offsets = np.concatenate([[0], np.cumsum(wl)]).astype(i64)
+    req_offsets = np.concatenate([[0], np.cumsum(wl, dtype=i64)]).astype(i64)
     seeds = np.full(nrows, -1, dtype=i64)
     empty = np.empty(0, dtype=i64)
 
     def fail(kind: int, value: int) -> tuple[Any, ...]:
-        return (
-            req_offsets,
-            seeds,
-            empty,
-            empty,
-            empty,
-            empty,
-            empty,
-            0,
-            False,
-            np.array([kind, value]),
-        )
+        return (req_offsets, seeds, empty, empty, empty, empty, empty, 0, False,
+                np.array([kind, value]), False)  # fmt: skip
 
+    for r in range(nrows):
+        row, prefix = int(rows[r]), int(prefix_lens[r])
+        if row != 0 and (not 0 <= row < r2t.shape[0] or prefix + wl[r] > ncols):
+            return fail(3, r)
+    if sum(wl) > len(out_slots):
+        return fail(3, -1)
     total_v = 0
     for r in range(nrows):
         row, prefix = int(rows[r]), int(prefix_lens[r])
         if row == 0:
             continue
-        if prefix + wl[r] > ncols or not 0 <= row < r2t.shape[0]:
-            return fail(3, r)
         if prefix > 0 and wl[r] > 0:
-            seed, ok = _translate(r2t[row, prefix - 1], lut, use_lut)
-            if not ok:
-                return fail(1, seed)
+            seed, kind = _translate(r2t[row, prefix - 1], lut, use_lut, num_slots, True)
+            if kind:
+                return fail(kind, seed)
             seeds[r] = -1 if seed == 0 else seed
         total_v += max(prefix - max(0, prefix - window), 0)
     w_slots = np.empty(int(req_offsets[-1]), dtype=i64)
     for i in range(len(w_slots)):
-        slot, ok = _translate(out_slots[i], lut, use_lut)
-        if not ok:
-            return fail(1, slot)
-        if not -1 <= slot < num_slots:
-            return fail(2, slot)
+        slot, kind = _translate(out_slots[i], lut, use_lut, num_slots, True)
+        if kind:
+            return fail(kind, slot)
         w_slots[i] = slot
+    written = [int(s) for s in w_slots if s >= 0]
+    shadowed = len(set(written)) != len(written)
     if total_v > verify_capacity:
-        return req_offsets, seeds, w_slots, empty, empty, empty, empty, total_v, True, np.zeros(2)
+        return (req_offsets, seeds, w_slots, empty, empty, empty, empty, total_v, True,
+                np.zeros(2), shadowed)  # fmt: skip
     entries: list[tuple[int, int, int, int]] = []
     for r in range(nrows):
         row, prefix = int(rows[r]), int(prefix_lens[r])
         if row == 0:
             continue
-        limit = min(int(truth_lens[r]), ncols, truth.shape[1])
+        limit = min(int(truth_lens[r]), ncols, truth.shape[1]) if r < truth.shape[0] else 0
         for pos in range(max(0, prefix - window), prefix):
-            slot, ok = _translate(r2t[row, pos], lut, use_lut)
-            prev, ok2 = _translate(r2t[row, pos - 1], lut, use_lut) if pos > 0 else (-1, True)
-            if not (ok and ok2):
-                return fail(1, slot if not ok else prev)
-            if not 0 <= slot < num_slots or not -1 <= prev < num_slots:
-                return fail(2, slot if not 0 <= slot < num_slots else prev)
+            slot, kind = _translate(r2t[row, pos], lut, use_lut, num_slots, False)
+            if kind:
+                return fail(kind, slot)
+            prev = -1
+            if pos > 0:
+                prev, kind = _translate(r2t[row, pos - 1], lut, use_lut, num_slots, True)
+                if kind:
+                    return fail(kind, prev)
             t = pos + offset
             entries.append((slot, prev, pos, int(truth[r, t]) if 0 <= t < limit else -1))
     cols = np.array(entries, dtype=i64).reshape(-1, 4).T
-    return req_offsets, seeds, w_slots, *(c.copy() for c in cols), total_v, False, np.zeros(2)
+    return (req_offsets, seeds, w_slots, *(c.copy() for c in cols), total_v, False, np.zeros(2),
+            shadowed)  # fmt: skip
+
+
+def _row(buf: Arr, slot: int) -> Arr:
+    """Record row `slot`, refusing what NumPy would wrap or a numba kernel would read out of
+    bounds: the plan's range checks (SPEC §14.2) guarantee it never happens, and the property
+    tests rely on this kernel to fail loudly if it does."""
+    if not 0 <= slot < buf.shape[0]:
+        raise IndexError(f"reference kernel: slot {slot} outside a buffer of {buf.shape[0]} rows")
+    row: Arr = buf[slot]
+    return row
 
 
 def slot_hash(buf: Arr, slot: int) -> int:
     """mix3(PREV_HASH, TOKEN, POSITION) of `slot`'s record; HEAD_HASH for -1."""
     if slot == -1:
         return HEAD_HASH
-    token, position, prev_hash = (_u(x) for x in buf[slot, :3])
+    token, position, prev_hash = (_u(x) for x in _row(buf, slot)[:3])
     return mix3(prev_hash, token, position)
 
 
@@ -141,7 +164,7 @@ def verify(
     ):
         if slot == 0:
             continue  # reserved or evicted: counted, never checked
-        token, position, prev_hash, real_kv = (_u(x) for x in buf[slot])
+        token, position, prev_hash, real_kv = (_u(x) for x in _row(buf, slot))
         reachable = prev != 0
         exp_chain = slot_hash(buf, prev) if reachable else prev_hash
         bits = 1 if reachable and prev_hash != exp_chain else 0
@@ -153,13 +176,20 @@ def verify(
 
 
 def write(
-    buf: Arr, seeds: Arr, req_offsets: Arr, w_slots: Arr, input_ids: Arr, positions: Arr,
-    do_assert: bool, exp_tok: Arr, exp_pos: Arr, chain_position: bool, s0: Arr, s1: Arr,
-    s2: Arr, s3: Arr, params: Arr, count: int, tag: int, ring: Arr, state: Arr,
+    buf: Arr, seeds: Arr, req_offsets: Arr, w_slots: Arr, in_order: bool, input_ids: Arr,
+    positions: Arr, do_assert: bool, exp_tok: Arr, exp_pos: Arr, chain_position: bool, s0: Arr,
+    s1: Arr, s2: Arr, s3: Arr, params: Arr, count: int, tag: int, ring: Arr, state: Arr,
 ) -> None:  # fmt: skip
-    """Write one serial chain per request (SPEC §5.2). Seeds are read before any write."""
+    """Write one serial chain per request (SPEC §5.2, §14.1): every seed is read before any
+    write, and entries are applied in flat order, so when two entries name one slot the later
+    one's record remains. This kernel is always in flat order; `in_order` (the plan's
+    `shadowed`) tells the fast kernel to be."""
+    del in_order
+    words = buf.view(np.uint64)
     starts = [
-        (slot_hash(buf, int(seed)), _signed(buf[int(seed), 1])) if seed >= 1 else (HEAD_HASH, 0)
+        (slot_hash(buf, int(seed)), _signed(_row(buf, int(seed))[1]))
+        if seed >= 1
+        else (HEAD_HASH, 0)
         for seed in seeds
     ]
     for r, (running, prev_pos) in enumerate(starts):
@@ -174,11 +204,12 @@ def write(
                 if bits:
                     _record(ring, state, tag, slot, pos, tok, exp_tok[i], running, exp_pos[i], bits)
             if do_pos:
-                if pos != prev_pos + 1:
-                    _record(ring, state, tag, slot, pos, tok, tok, running, prev_pos + 1, 16)
+                expected = _signed(prev_pos + 1)  # int64 arithmetic, as the fast kernel's
+                if pos != expected:
+                    _record(ring, state, tag, slot, pos, tok, tok, running, expected, 16)
                 prev_pos = pos
             fold = fold_sources(s0, s1, s2, s3, params, count, slot)
-            buf.view(np.uint64)[slot] = [_u(tok), _u(pos), running, fold]
+            _row(words, slot)[:] = [_u(tok), _u(pos), running, fold]
             running = mix3(running, tok, pos)
 
 
