@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvcanary.app.selftest.campaign import CAMPAIGN_MODES, EXPECTED_REASONS
-from kvcanary.cli import app
+from kvcanary.cli import app, main
 from kvcanary.engine.plants import PLANT_NAMES
 
 
@@ -35,8 +35,15 @@ def test_selftest_three_seeds(tmp_path: Path) -> None:
 
 
 def test_unknown_mode_is_a_one_line_error() -> None:
-    result = CliRunner().invoke(app, ["selftest", "--modes", "bogus"])
-    assert result.exit_code == 2
-    assert result.stderr.strip().startswith(
-        "--modes: unknown mode 'bogus'; choose from req_to_token,"
-    )
+    runner = CliRunner()
+    with runner.isolation() as (_, err, _):
+        assert main(["selftest", "--modes", "bogus"]) == 2
+        assert (
+            err.getvalue()
+            .decode()
+            .strip()
+            .startswith(
+                "kvcanary selftest: --modes: unknown mode 'bogus'; choose from req_to_token,"
+            )
+        )
+    assert CliRunner().invoke(app, ["selftest", "--modes", "bogus"]).exit_code == 2

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvcanary.app.selftest.campaign import CAMPAIGN_MODES, CampaignSpec
 from kvcanary.app.selftest.outcome import run_outcome_campaign, run_outcome_case
-from kvcanary.cli import app
+from kvcanary.cli import app, main
 from kvcanary.engine.plants import PLANT_NAMES
 
 
@@ -86,13 +86,16 @@ def test_selftest_recover_cli_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("mode", "message"),
     [
-        ("raise", "selftest: --kv-canary must be log or recover, got 'raise'"),
-        ("maybe", "kv-canary: kv_canary must be one of none/log/raise/recover, got 'maybe'"),
+        ("raise", "kvcanary selftest: --kv-canary must be log or recover, got 'raise'; pass "
+                  "--kv-canary log (or recover)"),
+        ("maybe", "kvcanary selftest: --kv-canary must be one of none/log/raise/recover, got "
+                  "'maybe'; pass one of none/log/raise/recover"),
     ],
-)
+)  # fmt: skip
 def test_selftest_bad_mode_is_one_line(mode: str, message: str) -> None:
-    result = CliRunner().invoke(app, ["selftest", "--kv-canary", mode])
-    assert result.exit_code == 2 and result.stderr.strip() == message
+    with CliRunner().isolation() as (_, err, _):
+        assert main(["selftest", "--kv-canary", mode]) == 2
+        assert err.getvalue().decode().strip() == message
 
 
 def test_run_recover_reports_incidents_and_events(

@@ -244,3 +244,23 @@ def test_recovery_never_frees_a_slot_another_request_owns() -> None:
     assert a.num_computed == 2 and stolen not in a.slots
     assert sched.kv.allocator.refcount(stolen) == 1  # still b's
     assert stolen in b.slots
+
+
+def test_restart_moves_back_to_a_table_entry_the_canary_cannot_check() -> None:
+    """A shifted window left position 1 mapped to slot 0 (never verified); the incident names
+    position 3, but the request must restart at 1, with its row repaired."""
+    sched, runner, table = make_scheduler()
+    sched.add_request("a", [1, 2, 3, 4, 5], 3)
+    plan = sched.schedule()
+    assert plan is not None
+    sched.postprocess(plan, runner.run(plan))
+    a = sched.get("a")
+    table.write(a.row, 1, [0])  # the bug
+    runner._check_history = lambda chunk: None  # type: ignore[method-assign]  # the fake would object
+    plan = sched.schedule()
+    assert plan is not None
+    out = dataclasses.replace(runner.run(plan), incidents=(_incident(0, 3, (a.slots[3],)),))
+    sched.postprocess(plan, out)
+    assert a.num_computed == 1 and a.output == []
+    assert table.read(a.row, 1) == a.slots[:1]
+    check_scheduler(sched)

@@ -16,6 +16,7 @@ from kvcanary.canary import (
     CanaryConfig,
     CanaryLaunchCapacities,
     CanaryViolationError,
+    PerturbConfig,
     PerturbHooks,
     install,
 )
@@ -39,7 +40,20 @@ from kvcanary.engine.plan import SamplingSpec
 from kvcanary.engine.req_to_token import TorchReqToTokenTable
 from kvcanary.engine.runner import ModelRunner
 
-__all__ = ["RunSettings", "RunSummary", "Stack", "TimedHooks", "build_stack", "run_session"]
+__all__ = [
+    "RunSettings",
+    "RunSummary",
+    "Stack",
+    "Terminated",
+    "TimedHooks",
+    "build_stack",
+    "run_session",
+    "warm_up_kernels",
+]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an exception (the CLI's handler raises it), so a run stops like on Ctrl-C."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +78,10 @@ class RunSummary:
     figures: dict[str, Any]
     violations: tuple[Violation, ...]
     stopped_by_raise: bool
+    #: the first line of the raise-mode error that stopped the run
+    stop_message: str | None = None
+    #: `SIGINT` or `SIGTERM` when a signal cut the run short (the figures are partial)
+    interrupted: str | None = None
 
 
 class TimedHooks:
@@ -197,42 +215,52 @@ def run_session(
     planned = build_workload(settings.workload)
     pending = list(planned)
     aborts: dict[int, list[str]] = {}
-    steps, stopped, aborted, reported, incidents_reported = 0, False, 0, 0, 0
+    steps, stopped, aborted, reported, injected = 0, False, 0, 0, 0
+    incidents_reported = 0
+    stop_message: str | None = None
+    interrupted: str | None = None
     start = time.perf_counter()
-    while pending or engine.has_work():
-        while pending and pending[0].arrival_step <= steps:
-            req = pending.pop(0)
-            engine.add_request(
-                req.request_id, req.prompt, req.max_new_tokens, stack.sampling(req.request_id)
-            )
-            if req.abort_after_steps is not None:
-                aborts.setdefault(steps + req.abort_after_steps, []).append(req.request_id)
-        for request_id in aborts.pop(steps, []):
-            aborted += engine.abort(request_id)
-        try:
-            engine.step()
-        except CanaryViolationError:
-            stopped = True  # fail closed: that step's tokens were never applied
-        steps += 1
-        if observer is not None:
-            new = hooks.violations[reported:]
-            reported = len(hooks.violations)
-            new_incidents = hooks.incidents[incidents_reported:]
-            incidents_reported = len(hooks.incidents)
-            observer.on_step(
-                incidents=new_incidents,
-                step=steps - 1,
-                stats=asdict(engine.stats()),
-                protected=sum(canary.slot_run_counter.values()) if canary else 0,
-                sweeps=canary.sweep_passes if canary else 0,
-                violations=new,
-            )
-        if stopped:
-            break
-        if progress is not None:
-            progress(
-                engine.stats().requests_finished + engine.stats().requests_aborted, len(planned)
-            )
+    try:
+        while pending or engine.has_work():
+            while pending and pending[0].arrival_step <= steps:
+                req = pending.pop(0)
+                engine.add_request(
+                    req.request_id, req.prompt, req.max_new_tokens, stack.sampling(req.request_id)
+                )
+                if req.abort_after_steps is not None:
+                    aborts.setdefault(steps + req.abort_after_steps, []).append(req.request_id)
+            for request_id in aborts.pop(steps, []):
+                aborted += engine.abort(request_id)
+            try:
+                engine.step()
+            except CanaryViolationError as exc:
+                stopped = True  # fail closed: that step's tokens were never applied
+                stop_message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            steps += 1
+            if observer is not None:
+                new = hooks.violations[reported:]
+                reported = len(hooks.violations)
+                journal = canary.injections() if canary is not None else []
+                injected, new_faults = len(journal), journal[injected:]
+                new_incidents = hooks.incidents[incidents_reported:]
+                incidents_reported = len(hooks.incidents)
+                observer.on_step(
+                    incidents=new_incidents,
+                    step=steps - 1,
+                    stats=asdict(engine.stats()),
+                    protected=sum(canary.slot_run_counter.values()) if canary else 0,
+                    sweeps=canary.sweep_passes if canary else 0,
+                    violations=new,
+                    injections=new_faults,
+                )
+            if stopped:
+                break
+            if progress is not None:
+                progress(
+                    engine.stats().requests_finished + engine.stats().requests_aborted, len(planned)
+                )
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM via Terminated: summarise what ran
+        interrupted = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
     wall = time.perf_counter() - start
     stats = engine.stats()
     by_reason: Counter[str] = Counter()
@@ -266,4 +294,23 @@ def run_session(
             "recoveries": stats.recoveries,
             "recompute_tokens": stats.recompute_tokens,
         }
-    return RunSummary(figures, tuple(hooks.violations), stopped)
+    if interrupted is not None:
+        figures["interrupted"] = interrupted
+    return RunSummary(figures, tuple(hooks.violations), stopped, stop_message, interrupted)
+
+
+def warm_up_kernels(settings: RunSettings) -> float:
+    """Compile the kernels `settings` uses (same dtypes and options) on a two-request run with
+    no faults, no plants and a sweep every step; the seconds it took. Called before the timed
+    run on a cold cache, so the canary time of the summary excludes compilation."""
+    canary = dataclasses.replace(
+        settings.canary, perturb=PerturbConfig(), stats_print_every_n_steps=0,
+        sweep_interval=1 if settings.canary.enabled else 0,
+    )  # fmt: skip
+    tiny = dataclasses.replace(
+        settings, canary=canary, engine=dataclasses.replace(settings.engine, plants=()),
+        workload=WorkloadSpec(num_requests=2, seed=settings.workload.seed, vocab_size=256),
+    )  # fmt: skip
+    start = time.perf_counter()
+    run_session(tiny)
+    return time.perf_counter() - start

@@ -5,6 +5,7 @@ imports vLLM only when run).
 """
 
 from kvcanary.cli import vllm as _vllm  # noqa: F401  (registers `kvcanary vllm`)
-from kvcanary.cli.commands import app, main
+from kvcanary.cli.commands import app
+from kvcanary.cli.entry import main
 
 __all__ = ["app", "main"]

@@ -1,10 +1,17 @@
-"""`kvcanary run`, `check-config` and `selftest` on the built-in reference engine."""
+"""`kvcanary run`, `check-config` and `selftest` on the built-in reference engine.
+
+Each command checks every input first (`cli/validate.py`, one line and exit 2 on the first bad
+one), then does the work. Shared pieces (`print_summary`, `exit_on_violations`, the canary flag
+types) are reused by `cli/vllm.py`; a new command or flag adds a parameter and a check.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,28 +21,76 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+import kvcanary
 from kvcanary.app.observability import EventLog, RunMetrics, StepObserver
 from kvcanary.app.selftest.campaign import CAMPAIGN_MODES, CampaignSpec, run_campaign
 from kvcanary.app.selftest.outcome import outcome_json, run_outcome_campaign
 from kvcanary.app.selftest.outcome_report import outcome_html, outcome_table
 from kvcanary.app.selftest.report import campaign_json, campaign_passed, html_report, result_table
-from kvcanary.app.session import RunSettings, RunSummary, run_session
+from kvcanary.app.session import RunSettings, RunSummary, run_session, warm_up_kernels
 from kvcanary.app.workload import WorkloadSpec
 from kvcanary.canary import CanaryConfig, CanaryLaunchCapacities
 from kvcanary.canary import CanaryMode as CanaryModeValue
 from kvcanary.canary.config import parse_mode
+from kvcanary.canary.kernels import compile_cache
+from kvcanary.cli.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CLEAN,
+    EXIT_CODES_HELP,
+    EXIT_SIGINT,
+    EXIT_SIGTERM,
+    EXIT_STOPPED,
+    EXIT_VIOLATIONS,
+    BadInput,
+    check_distinct_paths,
+    check_int,
+    check_output_path,
+    explain,
+    typed_flag,
+)
+from kvcanary.cli.validate import (
+    MAX_SEED,
+    canary_config,
+    check_choice,
+    check_reference_engine_env,
+    check_run_sizes,
+)
 from kvcanary.engine.config import EngineConfig
 from kvcanary.engine.model import ModelConfig
 from kvcanary.engine.plants import PLANT_NAMES
 
+__all__ = [
+    "EXIT_BAD_INPUT", "EXIT_CLEAN", "EXIT_STOPPED", "EXIT_VIOLATIONS", "app", "exit_on_violations",
+    "main", "print_summary", "replay_command",
+]  # fmt: skip
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvcanary {kvcanary.__version__}")
+        raise typer.Exit(EXIT_CLEAN)
+
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    rich_markup_mode=None,  # plain click help: wraps at any width, never cuts a flag name
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
     help="KV-cache canary: make KV corruption impossible to miss.",
+    epilog=EXIT_CODES_HELP,
 )
 err_console = Console(stderr=True)
 
-EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 3
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="print the version"),
+    ] = False,
+) -> None:
+    """KV-cache canary: make KV corruption impossible to miss."""
+
 
 CanaryMode = Annotated[
     str, typer.Option("--kv-canary", help="none | log | raise | recover (off = none)")
@@ -48,11 +103,12 @@ Sweep = Annotated[
 
 
 def _fail(message: str) -> typer.Exit:
-    typer.echo(message, err=True)
+    typer.echo(" ".join(message.split()), err=True)
     return typer.Exit(EXIT_BAD_INPUT)
 
 
 def _canary_config(kv_canary: str, real_data: str, sweep: int) -> CanaryConfig:
+    """The canary config from flags and `KVCANARY_*` (ValueError with the library's message)."""
     return CanaryConfig.from_args_and_env(
         kv_canary=kv_canary,
         kv_canary_real_data=real_data,
@@ -61,36 +117,62 @@ def _canary_config(kv_canary: str, real_data: str, sweep: int) -> CanaryConfig:
     )
 
 
-@app.command()
+def _explicit(ctx: typer.Context, names: dict[str, str]) -> frozenset[str]:
+    """The flags of `names` (parameter -> flag) the user passed on the command line."""
+    out = set()
+    for param, flag in names.items():
+        source = ctx.get_parameter_source(param)
+        if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
+            out.add(flag)
+    return frozenset(out)
+
+
+def _argv(ctx: typer.Context) -> list[str]:
+    obj = ctx.find_root().obj
+    return list(obj.get("argv", [])) if isinstance(obj, dict) else sys.argv[1:]
+
+
+def replay_command(argv: list[str]) -> str:
+    """The command line that replays this run: its `KVCANARY_*` variables and its flags."""
+    env = [
+        f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("KVCANARY_")
+    ]
+    return " ".join([*env, "kvcanary", *(shlex.quote(a) for a in argv)])
+
+
+@app.command(epilog=EXIT_CODES_HELP)
 def run(
+    ctx: typer.Context,
     kv_canary: CanaryMode = "log",
     kv_canary_real_data: RealData = "partial",
     kv_canary_sweep_interval: Sweep = 8,
     model: Annotated[
         str, typer.Option(help="tiny (a real tiny transformer) | oracle (token oracle)")
     ] = "tiny",
-    requests: Annotated[int, typer.Option(help="requests in the workload")] = 48,
+    requests: Annotated[int, typer.Option(help="requests in the workload (1-100000)")] = 48,
     seed: Annotated[int, typer.Option(help="seed of the workload and the model")] = 0,
     num_slots: Annotated[int, typer.Option(help="KV pool slots (slot 0 reserved)")] = 448,
-    max_running_requests: Annotated[int, typer.Option()] = 8,
-    max_batch_size: Annotated[int, typer.Option()] = 8,
+    max_running_requests: Annotated[int, typer.Option(help="requests holding a row")] = 8,
+    max_batch_size: Annotated[int, typer.Option(help="batch rows per forward")] = 8,
     chunked_prefill_size: Annotated[int, typer.Option(help="-1 = unlimited")] = 32,
     max_prefill_tokens: Annotated[int, typer.Option(help="token budget per step")] = 96,
     speculative_num_draft_tokens: Annotated[
         int, typer.Option(help="draft tokens per verify; 0 = off")
     ] = 2,
-    max_context_len: Annotated[int, typer.Option()] = 256,
+    max_context_len: Annotated[int, typer.Option(help="positions per request")] = 256,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16")] = "float32",
     json_path: Annotated[
         Path | None, typer.Option("--json", help="write the summary as JSON")
     ] = None,
     events: Annotated[
-        Path | None, typer.Option(help="write every violation and step summary as JSON lines")
+        Path | None,
+        typer.Option(help="write start, config, injection, step, violation, end as JSON lines"),
     ] = None,
     metrics_port: Annotated[
-        int | None, typer.Option(help="serve Prometheus counters on this port")
+        int | None,
+        typer.Option(help="serve Prometheus counters on this port; 0 = a free port (printed)"),
     ] = None,
-    quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="no progress bar")] = False,
     plant: Annotated[
         list[str] | None,
         typer.Option(
@@ -106,21 +188,41 @@ def run(
         bool, typer.Option(help="prefill and decode engines in two processes (KV moves between)")
     ] = False,
 ) -> None:
-    """Serve the embedded workload on the reference engine with the canary installed.
-
-    Exit status: 0 clean, 1 violations found (log mode), 2 bad input, 3 stopped by raise mode.
-    """
+    """Serve the embedded workload on the reference engine with the canary installed."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    argv = _argv(ctx)
+    plants = list(plant or ())
+    model = check_choice("--model", model, ("tiny", "oracle"))
+    dtype = check_choice("--dtype", dtype, ("float32", "bfloat16"))
+    check_run_sizes(
+        requests=requests, seed=seed, num_slots=num_slots,
+        max_running_requests=max_running_requests, max_batch_size=max_batch_size,
+        chunked_prefill_size=chunked_prefill_size, max_prefill_tokens=max_prefill_tokens,
+        speculative_num_draft_tokens=speculative_num_draft_tokens,
+        max_context_len=max_context_len, plants=plants,
+    )  # fmt: skip
+    explicit = _explicit(ctx, {"kv_canary_real_data": "--kv-canary-real-data",
+                               "kv_canary_sweep_interval": "--kv-canary-sweep-interval"})  # fmt: skip
+    config = canary_config(kv_canary, kv_canary_real_data, kv_canary_sweep_interval, os.environ,
+                           explicit=explicit)  # fmt: skip
+    check_reference_engine_env(config, model)
+    if plants and not config.enabled:
+        raise BadInput(f"--plant {plants[0]} with --kv-canary none: nothing would catch it; "
+                       "pass --kv-canary log")  # fmt: skip
+    if host_tier_pages < 0:
+        raise BadInput(f"--host-tier-pages must be >= 0, got {host_tier_pages}; use 0 for no "
+                       "host tier")  # fmt: skip
+    check_int("--host-tier-pages", host_tier_pages, 0, 1 << 20, "pass 0 (no host tier) or more")
+    check_output_path("--json", json_path)
+    check_output_path("--events", events)
+    check_distinct_paths({"--json": json_path, "--events": events})
+    if metrics_port is not None:
+        check_int("--metrics-port", metrics_port, 0, 65535,
+                  "pass a free TCP port, or 0 to let the OS pick one")  # fmt: skip
+    chunk = None if chunked_prefill_size == -1 else chunked_prefill_size
     try:
-        chunk = None if chunked_prefill_size == -1 else chunked_prefill_size
-        CanaryLaunchCapacities.from_args(  # validates the sizes with the canary's own messages
-            req_to_token_pool_size=max_running_requests, max_seq_len_per_req=max_context_len,
-            pool_slot_count=num_slots, cuda_graph_max_bs=max_batch_size,
-            speculative_num_draft_tokens=speculative_num_draft_tokens,
-            max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=chunk,
-        )  # fmt: skip
         settings = RunSettings(
-            canary=_canary_config(kv_canary, kv_canary_real_data, kv_canary_sweep_interval),
+            canary=config,
             engine=EngineConfig(
                 num_slots=num_slots,
                 max_context_len=max_context_len,
@@ -131,38 +233,59 @@ def run(
                 max_prefill_tokens=max_prefill_tokens,
                 speculative_num_draft_tokens=speculative_num_draft_tokens,
                 seed=seed,
-                plants=tuple(plant or ()),
+                plants=tuple(plants),
             ),
             model=ModelConfig(vocab_size=256, dtype=dtype, seed=seed),
             model_kind=model,
             workload=WorkloadSpec(num_requests=requests, seed=seed, vocab_size=256),
         )
-        if host_tier_pages < 0:
-            raise ValueError(
-                f"--host-tier-pages must be >= 0, got {host_tier_pages}; use 0 for no host tier"
-            )
-    except (ValueError, TypeError) as exc:
-        raise _fail(str(exc)) from None
-    observer = StepObserver(
-        EventLog(events) if events else None, RunMetrics(metrics_port) if metrics_port else None
-    )
-    with Progress(
-        TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err_console, disable=quiet, transient=False,
-    ) as bar:  # fmt: skip
-        task = bar.add_task("requests", total=requests)
-        summary = _serve(  # a plain run, or one with KV leaving the pool (app.transfers_cli)
-            settings, host_tier_pages, disaggregate,
-            lambda done, total: bar.update(task, completed=done, total=total), observer,
-        )  # fmt: skip
-    observer.close()
+    except ValueError as exc:  # a rule the checks above do not know yet: still one line
+        raise BadInput(explain(str(exc), _ENGINE_FLAGS)) from None
+    metrics = _start_metrics(metrics_port)  # last check: binding the port; no file exists yet
+    observer = StepObserver(EventLog(events) if events else None, metrics)
+    observer.event("start", version=kvcanary.__version__, command=replay_command(argv))
+    observer.event("config", canary=config, engine=settings.engine, model=settings.model,
+                   model_kind=model, requests=requests)  # fmt: skip
+    compile_seconds = None
+    if config.enabled and compile_cache.is_cold():  # before the bar: it would sit at 0
+        err_console.print(f"kvcanary: compiling kernels, first run only, "
+                          f"~{compile_cache.COLD_START_SECONDS} s", markup=False, highlight=False)  # fmt: skip
+        compile_seconds = round(warm_up_kernels(settings), 3)
+    try:
+        with Progress(
+            TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=err_console, disable=quiet, transient=False,
+        ) as bar:  # fmt: skip
+            task = bar.add_task("requests", total=requests)
+            summary = _serve(  # a plain run, or one with KV leaving the pool (app.transfers_cli)
+                settings, host_tier_pages, disaggregate,
+                lambda done, total: bar.update(task, completed=done, total=total), observer,
+            )  # fmt: skip
+        if compile_seconds is not None:  # not in canary_seconds: it ran before the timed run
+            summary.figures["kernel_compile_seconds"] = compile_seconds
+        observer.event("end", **summary.figures)
+    finally:
+        observer.close()
     print_summary("kvcanary run", summary.figures, json_path)
+    if summary.interrupted is not None:
+        typer.echo(f"kv-canary: {summary.interrupted}: stopped early; the summary above is "
+                   "partial", err=True)  # fmt: skip
+        raise typer.Exit(EXIT_SIGTERM if summary.interrupted == "SIGTERM" else EXIT_SIGINT)
     if summary.stopped_by_raise:
-        err_console.print(
-            "kv-canary: stopped by raise mode; replay with --seed", seed, markup=False
-        )
+        typer.echo(summary.stop_message or "kv-canary: violation", err=True)
+        typer.echo(f"kv-canary: stopped by raise mode; replay: {replay_command(argv)}", err=True)
         raise typer.Exit(EXIT_STOPPED)
-    exit_on_violations(summary.figures, seed)
+    if summary.figures["violations"]:
+        typer.echo(f"kv-canary: {summary.figures['violations']} violations; replay: "
+                   f"{replay_command(argv)}", err=True)  # fmt: skip
+        raise typer.Exit(EXIT_VIOLATIONS)
+
+
+_ENGINE_FLAGS = {
+    f"EngineConfig.{name}": "--" + name.replace("_", "-")
+    for name in ("num_slots", "max_context_len", "max_running_requests", "max_batch_size",
+                 "chunked_prefill_size", "max_prefill_tokens", "speculative_num_draft_tokens")
+} | {"EngineConfig.plants": "--plant", "ModelConfig.dtype": "--dtype"}  # fmt: skip
 
 
 def _serve(
@@ -181,6 +304,19 @@ def _serve(
 
         return run_host_tier_session(settings, host_tier_pages, progress, observer=observer)
     return run_session(settings, progress, observer=observer)
+
+
+def _start_metrics(port: int | None) -> RunMetrics | None:
+    if port is None:
+        return None
+    try:
+        metrics = RunMetrics(port)
+    except OSError as exc:
+        raise BadInput(f"--metrics-port {port}: cannot serve there ({exc.strerror or exc}); "
+                       "pass a free port, or 0 to let the OS pick one") from None  # fmt: skip
+    err_console.print(f"kvcanary: Prometheus metrics on http://127.0.0.1:{metrics.port}/metrics",
+                      markup=False, highlight=False)  # fmt: skip
+    return metrics
 
 
 def print_summary(title: str, figures: dict[str, Any], json_path: Path | None) -> None:
@@ -204,41 +340,83 @@ def exit_on_violations(figures: dict[str, Any], seed: int) -> None:
         raise typer.Exit(EXIT_VIOLATIONS)
 
 
-@app.command("check-config")
+_CAPACITY_FLAGS = {  # parameter -> its spellings: run's name first, the SPEC §6 name second
+    "num_slots": ("--num-slots", "--pool-slot-count"),
+    "max_context_len": ("--max-context-len", "--max-seq-len-per-req"),
+    "max_running_requests": ("--max-running-requests", "--req-to-token-pool-size"),
+    "max_batch_size": ("--max-batch-size", "--cuda-graph-max-bs"),
+}
+
+
+@app.command("check-config", epilog=EXIT_CODES_HELP)
 def check_config(
+    ctx: typer.Context,
     kv_canary: CanaryMode = "none",
     kv_canary_real_data: RealData = "none",
     kv_canary_sweep_interval: Sweep = 0,
-    req_to_token_pool_size: Annotated[int, typer.Option()] = 64,
-    max_seq_len_per_req: Annotated[int, typer.Option()] = 4096,
-    pool_slot_count: Annotated[int, typer.Option()] = 10000,
-    cuda_graph_max_bs: Annotated[int | None, typer.Option()] = None,
-    speculative_num_draft_tokens: Annotated[int | None, typer.Option()] = None,
-    max_prefill_tokens: Annotated[int, typer.Option()] = 16384,
-    chunked_prefill_size: Annotated[int | None, typer.Option()] = None,
+    max_running_requests: Annotated[
+        int, typer.Option(*_CAPACITY_FLAGS["max_running_requests"], help="req_to_token rows")
+    ] = 64,
+    max_context_len: Annotated[
+        int, typer.Option(*_CAPACITY_FLAGS["max_context_len"], help="positions per request")
+    ] = 4096,
+    num_slots: Annotated[
+        int, typer.Option(*_CAPACITY_FLAGS["num_slots"], help="KV pool slots")
+    ] = 10000,
+    max_batch_size: Annotated[
+        int | None,
+        typer.Option(*_CAPACITY_FLAGS["max_batch_size"], help="batch rows per forward"),
+    ] = None,
+    speculative_num_draft_tokens: Annotated[int | None, typer.Option(help="0 = off")] = None,
+    max_prefill_tokens: Annotated[int, typer.Option(help="token budget per step")] = 16384,
+    chunked_prefill_size: Annotated[int | None, typer.Option(help="-1 = unlimited")] = None,
 ) -> None:
-    """Validate canary flags, `KVCANARY_*` variables and capacities; print what would be used."""
+    """Validate canary flags, `KVCANARY_*` variables and launch capacities; print what would be
+    used. Sizes take `kvcanary run`'s names or the SPEC §6 (SGLang) ones."""
+    argv = _argv(ctx)
+    flag = {p: typed_flag(argv, names) for p, names in _CAPACITY_FLAGS.items()}
+    limit = 2**31 - 1
+    for param, value, low in (("max_running_requests", max_running_requests, 1),
+                              ("max_context_len", max_context_len, 1), ("num_slots", num_slots, 1),
+                              ("max_batch_size", max_batch_size, 0)):  # fmt: skip
+        if value is not None:
+            check_int(flag[param], value, low, limit)
+    if speculative_num_draft_tokens is not None:
+        check_int("--speculative-num-draft-tokens", speculative_num_draft_tokens, 0, 64,
+                  "pass 0 (off) to 64")  # fmt: skip
+    check_int("--max-prefill-tokens", max_prefill_tokens, 1, limit)
+    if chunked_prefill_size is not None and chunked_prefill_size != -1:
+        check_int("--chunked-prefill-size", chunked_prefill_size, 1, limit,
+                  "pass -1 (unlimited) or a positive size")  # fmt: skip
+    explicit = _explicit(ctx, {"kv_canary_real_data": "--kv-canary-real-data",
+                               "kv_canary_sweep_interval": "--kv-canary-sweep-interval"})  # fmt: skip
+    config = canary_config(kv_canary, kv_canary_real_data, kv_canary_sweep_interval, os.environ,
+                           explicit=explicit)  # fmt: skip
+    chunk = None if chunked_prefill_size in (None, -1) else chunked_prefill_size
     try:
-        config = _canary_config(kv_canary, kv_canary_real_data, kv_canary_sweep_interval)
         caps = CanaryLaunchCapacities.from_args(
-            req_to_token_pool_size=req_to_token_pool_size, max_seq_len_per_req=max_seq_len_per_req,
-            pool_slot_count=pool_slot_count, cuda_graph_max_bs=cuda_graph_max_bs,
+            req_to_token_pool_size=max_running_requests, max_seq_len_per_req=max_context_len,
+            pool_slot_count=num_slots, cuda_graph_max_bs=max_batch_size,
             speculative_num_draft_tokens=speculative_num_draft_tokens,
-            max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=chunked_prefill_size,
+            max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=chunk,
         )  # fmt: skip
     except (ValueError, TypeError) as exc:
-        raise _fail(str(exc)) from None
+        names = {"req_to_token_pool_size": flag["max_running_requests"],
+                 "max_seq_len_per_req": flag["max_context_len"], "pool_slot_count": flag["num_slots"],
+                 "cuda_graph_max_bs": flag["max_batch_size"]}  # fmt: skip
+        raise BadInput(explain(str(exc), names)) from None
     Console().print(config)
     Console().print(caps)
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES_HELP)
 def selftest(
+    ctx: typer.Context,
     modes: Annotated[str, typer.Option(help="all | none | comma-separated fault modes")] = "all",
     plants: Annotated[
         str, typer.Option(help="all | none | comma-separated planted engine bugs")
     ] = "all",
-    seeds: Annotated[int, typer.Option(help="seeds per mode and plant")] = 20,
+    seeds: Annotated[int, typer.Option(help="seeds per mode and plant (1-1000)")] = 20,
     first_seed: Annotated[int, typer.Option(help="first seed (replay a failing one)")] = 0,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="write the results as JSON")
@@ -267,9 +445,13 @@ def selftest(
     Exit status 0 only when every mode and plant is caught on every seed and the clean baseline
     (same seeds, no faults) has zero violations. With `--kv-canary recover`: 0 only when no
     request is delivered with an output different from the fault-free run, for every fault on
-    every seed, and the clean baseline has no incident.
+    every seed, and the clean baseline has no incident. `KVCANARY_*` variables are validated; the
+    self-test injects its own faults, so `KVCANARY_PERTURB_*` is refused.
     """
     logging.disable(logging.WARNING)  # violations are expected here; the table tells the story
+    argv = _argv(ctx)
+    check_int("--seeds", seeds, 1, 1000, "pass 1 to 1000")
+    check_int("--first-seed", first_seed, 0, MAX_SEED - seeds, "pass a smaller non-negative seed")
     try:
         spec = CampaignSpec(
             modes=_names(modes, CAMPAIGN_MODES), plants=_names(plants, PLANT_NAMES), seeds=seeds,
@@ -277,9 +459,20 @@ def selftest(
         )  # fmt: skip
         selftest_mode = parse_mode(kv_canary)
         if selftest_mode not in (CanaryModeValue.LOG, CanaryModeValue.RECOVER):
-            raise ValueError(f"selftest: --kv-canary must be log or recover, got {kv_canary!r}")
+            raise ValueError(f"--kv-canary must be log or recover, got {kv_canary!r}; pass "
+                             "--kv-canary log (or recover)")  # fmt: skip
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise BadInput(explain(str(exc), {"kv_canary": "--kv-canary"})) from None
+    if not spec.modes and not spec.plants:
+        raise BadInput("--modes none with --plants none leaves nothing to test; pass --modes all")
+    perturb_vars = sorted(k for k in os.environ if k.startswith("KVCANARY_PERTURB_"))
+    if perturb_vars:
+        raise BadInput(f"{perturb_vars[0]} is set, but selftest injects its own faults; unset it "
+                       "(kvcanary run replays one fault)")  # fmt: skip
+    canary_config("log", "partial", 0, os.environ)  # the other KVCANARY_* must be valid too
+    check_output_path("--json", json_path)
+    check_output_path("--html", html_path)
+    check_distinct_paths({"--json": json_path, "--html": html_path})
     if selftest_mode is CanaryModeValue.RECOVER:
         _selftest_recover(spec, json_path, html_path)
         return
@@ -296,7 +489,7 @@ def selftest(
     if json_path is not None:
         json_path.write_text(json.dumps(campaign_json(baseline, summaries), indent=2) + "\n")
     if html_path is not None:
-        html_path.write_text(html_report(baseline, summaries))
+        html_path.write_text(html_report(baseline, summaries, command=replay_command(argv)))
     for o in baseline:
         if o.violations:
             typer.echo(
@@ -350,6 +543,8 @@ def _names(value: str, known: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(n.strip() for n in word.split(",") if n.strip())
 
 
-def main() -> None:
-    """Console-script entry point."""
-    app(prog_name="kvcanary")
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point (see `kvcanary.cli.entry.main`)."""
+    from kvcanary.cli.entry import main as entry_main
+
+    return entry_main(argv)

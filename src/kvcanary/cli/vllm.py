@@ -113,12 +113,19 @@ def vllm(
     block_size: Annotated[int, typer.Option(help="tokens per KV block (CPU: multiple of 32)")] = 32,
     max_num_seqs: Annotated[int, typer.Option()] = 8,
     dtype: Annotated[
-        str, typer.Option(help="auto (vLLM's default: the model's, bf16 for the tiny model) | "
-                               "float32 | bfloat16 | float16")
+        str,
+        typer.Option(
+            help="auto (vLLM's default: the model's, bf16 for the tiny model) | "
+            "float32 | bfloat16 | float16"
+        ),
     ] = "auto",
     serve: Annotated[
-        bool, typer.Option("--serve", help="run the workload over HTTP against vLLM's OpenAI "
-                                           "server on 127.0.0.1 (default process layout)")
+        bool,
+        typer.Option(
+            "--serve",
+            help="run the workload over HTTP against vLLM's OpenAI "
+            "server on 127.0.0.1 (default process layout)",
+        ),
     ] = False,
     concurrency: Annotated[int, typer.Option(help="requests in flight with --serve")] = 16,
     max_num_batched_tokens: Annotated[int, typer.Option(help="token budget per step")] = 128,

@@ -452,6 +452,7 @@ class Scheduler:
             self._fail(req, damage)
             return True
         before = len(req.slots)
+        damage = self._include_table_damage(req, damage)
         point = recovery_point(
             prompt_len=len(req.prompt), seq_len=req.seq_len, num_computed=req.num_computed,
             position=damage.first_position, bad_input_token=damage.bad_input_token,
@@ -466,6 +467,17 @@ class Scheduler:
         self._counters.recoveries += 1
         self._counters.recompute_tokens += before - point.keep_computed
         return False
+
+    def _include_table_damage(self, req: Request, damage: RowDamage) -> RowDamage:
+        """Move the restart back to the first computed position whose `req_to_token` entry no
+        longer holds the request's own slot: the canary skips entries mapped to slot 0 (and a
+        shifted window made attention read wrong KV there), but the engine knows its slots."""
+        n = min(req.num_computed, damage.first_position)
+        cells = self._kv.table.read(req.row, n) if n > 0 else []
+        bad = next((q for q in range(n) if cells[q] != req.slots[q]), None)
+        if bad is None:
+            return damage
+        return RowDamage(bad, False, damage.reasons_bits, damage.slots)
 
     def _phantom_refs(self, req: Request, start: int, damage: RowDamage) -> set[int]:
         """Failing slots `req` lists from `start` on whose every reference is held by other

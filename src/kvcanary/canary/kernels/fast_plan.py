@@ -48,6 +48,20 @@ def _rows_fit(rows, prefix_lens, req_offsets, nrows_table, ncols):  # type: igno
 
 
 @njit(cache=True)
+def _row_in_range(r2t, row, lo, hi, num_slots):  # type: ignore[no-untyped-def]
+    """True when `r2t[row, lo:hi]` are all in `[0, num_slots)` and the predecessor of `lo`
+    (when `lo > 0`) in `[-1, num_slots)`: one branch-free pass LLVM can vectorise."""
+    ok = True
+    for pos in range(lo, hi):
+        s = r2t[row, pos]
+        ok &= (s >= 0) & (s < num_slots)
+    if lo > 0 and lo < hi:
+        p = r2t[row, lo - 1]
+        ok &= (p >= -1) & (p < num_slots)
+    return ok
+
+
+@njit(cache=True)
 def _shadowed_writes(w_slots, marks):  # type: ignore[no-untyped-def]
     """True when two write entries name one slot (slot 0 included).
 
@@ -138,7 +152,18 @@ def build_plan(  # type: ignore[no-untyped-def]
             continue
         row = rows[r]
         limit = min(truth_lens[r], ncols, truth.shape[1]) if r < truth.shape[0] else 0
-        for pos in range(max(0, prefix_lens[r] - window), prefix_lens[r]):
+        lo = max(0, prefix_lens[r] - window)
+        if not use_lut and _row_in_range(r2t, row, lo, prefix_lens[r], num_slots):
+            # FULL group, whole row in range (the common case): copy without per-entry checks
+            for pos in range(lo, prefix_lens[r]):
+                t = pos + offset
+                v_slot[k] = r2t[row, pos]
+                v_prev[k] = r2t[row, pos - 1] if pos > 0 else -1
+                v_pos[k] = pos
+                v_tok[k] = truth[r, t] if 0 <= t < limit else -1
+                k += 1
+            continue
+        for pos in range(lo, prefix_lens[r]):
             s, kind = _translate(r2t[row, pos], lut, use_lut, num_slots, False)
             p = -1
             kind2 = _OK
