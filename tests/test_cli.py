@@ -294,3 +294,33 @@ def test_raise_mode_prints_first_line_and_a_replay_that_reproduces_it(tmp_path: 
                            env=_clean_env({"PATH": path}), timeout=600)  # fmt: skip
     assert again.returncode == 3, again.stderr
     assert first in again.stderr.splitlines()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "code", "name"), [(2, 130, "SIGINT"), (15, 143, "SIGTERM")])
+def test_signal_gives_partial_summary_json_and_flushed_events(
+    tmp_path: Path, signum: int, code: int, name: str
+) -> None:
+    import time
+
+    out, events = tmp_path / "summary.json", tmp_path / "events.jsonl"
+    args = ["run", "--quiet", "--model", "oracle", "--requests", "5000", "--json", str(out),
+            "--events", str(events)]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "kvcanary.cli", *args], env=_clean_env({}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # wait for the condition: a few steps are on disk
+        if events.exists() and events.read_text().count('"event":"step"') >= 3:
+            break
+        time.sleep(0.2)
+    seen_before = events.read_text().count('"event":"step"')
+    assert seen_before >= 3
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == code, stderr
+    summary = json.loads(out.read_text())
+    assert summary["interrupted"] == name and summary["engine_steps"] >= seen_before
+    assert summary["requests_finished"] + summary["requests_aborted"] < 5000
+    kinds = [json.loads(line)["event"] for line in events.read_text().splitlines()]
+    assert kinds[0] == "start" and kinds[-1] == "end"
+    assert f"{name}: stopped early" in stderr and "interrupted" in stdout

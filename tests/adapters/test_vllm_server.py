@@ -51,3 +51,27 @@ def test_concurrent_requests_over_http_are_clean_and_counted(server: VllmServer)
     assert "kv-canary: installed on vLLM" in log and "sweep_interval=4" in log
     assert "verify_token=True" in log and "real_data=partial" in log
     assert "kv-canary: step" not in log  # no violation line
+
+
+def test_raise_mode_stops_the_server_with_the_violation_in_its_log(tmp_path: Path) -> None:
+    env = {"KVCANARY_PERTURB_REAL_KV_USED_PROB": "1", "KVCANARY_PERTURB_TARGET_GROUP": "full",
+           "KVCANARY_PERTURB_WARMUP_STEPS": "10"}  # fmt: skip
+    log = tmp_path / "server-raise.log"
+    srv = VllmServer(VllmSettings(model=ensure_tiny_llama(), dtype="bfloat16", kv_blocks=24),
+                     extra_config={"mode": "raise"}, env=env, log_path=log)  # fmt: skip
+    try:
+        srv.start()
+        requests = VllmWorkload(num_requests=16, seed=0, max_tokens=24).requests()
+        results = drive(srv, requests, concurrency=16, timeout=120)
+        srv.process.wait(timeout=60)  # type: ignore[union-attr]  # the server stops
+        assert not srv.alive()
+    finally:
+        srv.close()
+    text = log.read_text(errors="replace")
+    first = text.index("kv-canary: raise mode stops vLLM: kv_canary violation: launch_tag=")
+    assert "fail_reason=verify_real_kv_hash" in text[first : first + 300]
+    failed = [r for r in results if r.status != 200]
+    assert failed and all(r.status == 500 and "EngineCore" in r.error for r in failed)
+    # a request that did answer finished before the failing step: all its tokens, no partial one
+    for req, r in zip(requests, results, strict=True):
+        assert r.status != 200 or r.tokens == req.max_tokens

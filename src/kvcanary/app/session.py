@@ -16,6 +16,7 @@ from kvcanary.canary import (
     CanaryConfig,
     CanaryLaunchCapacities,
     CanaryViolationError,
+    PerturbConfig,
     PerturbHooks,
     install,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "TimedHooks",
     "build_stack",
     "run_session",
+    "warm_up_kernels",
 ]
 
 
@@ -295,3 +297,20 @@ def run_session(
     if interrupted is not None:
         figures["interrupted"] = interrupted
     return RunSummary(figures, tuple(hooks.violations), stopped, stop_message, interrupted)
+
+
+def warm_up_kernels(settings: RunSettings) -> float:
+    """Compile the kernels `settings` uses (same dtypes and options) on a two-request run with
+    no faults, no plants and a sweep every step; the seconds it took. Called before the timed
+    run on a cold cache, so the canary time of the summary excludes compilation."""
+    canary = dataclasses.replace(
+        settings.canary, perturb=PerturbConfig(), stats_print_every_n_steps=0,
+        sweep_interval=1 if settings.canary.enabled else 0,
+    )  # fmt: skip
+    tiny = dataclasses.replace(
+        settings, canary=canary, engine=dataclasses.replace(settings.engine, plants=()),
+        workload=WorkloadSpec(num_requests=2, seed=settings.workload.seed, vocab_size=256),
+    )  # fmt: skip
+    start = time.perf_counter()
+    run_session(tiny)
+    return time.perf_counter() - start

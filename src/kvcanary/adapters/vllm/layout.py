@@ -136,17 +136,22 @@ class KvMirror:
 
     def __init__(self, cache: torch.Tensor, gather: npt.NDArray[np.int64]) -> None:
         n = cache.shape[0]
-        self._bytes = cache.view(torch.uint8).view(n, -1)
-        self._gather = torch.from_numpy(gather.astype(np.int64))
+        self._bytes = cache.view(torch.uint8).view(n, -1).numpy()  # shares the cache's memory
+        self._gather = gather.astype(np.int64)
+        self._flat = self._bytes.reshape(-1) if self._bytes.flags.c_contiguous else None
+        self._stride = self._bytes.shape[1]
         self.rows = torch.zeros((n, len(gather)), dtype=torch.uint8)
+        self._rows = self.rows.numpy()
 
     def refresh(self, blocks: npt.NDArray[np.integer] | None = None) -> None:
-        """Re-gather `blocks` (all blocks when None)."""
-        if blocks is None:
-            self.rows[:] = self._bytes[:, self._gather]
-            return
-        idx = torch.from_numpy(np.asarray(blocks, dtype=np.int64))
-        self.rows[idx] = self._bytes[idx[:, None], self._gather[None, :]]
+        """Re-gather `blocks` (all blocks when None). NumPy fancy indexing over one flat view
+        (torch's 2-D advanced indexing is about 100x slower here)."""
+        idx = (np.arange(len(self._rows)) if blocks is None
+               else np.asarray(blocks, dtype=np.int64))  # fmt: skip
+        if self._flat is not None:
+            self._rows[idx] = self._flat[idx[:, None] * self._stride + self._gather[None, :]]
+        else:
+            self._rows[idx] = np.take(self._bytes[idx], self._gather, axis=1)
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,6 @@ class CanaryWorker:
         self.split_forwards = 0
         self.chunked_prefill_rows = 0
         self._waves: list[ForwardView] = []
-        self._blocks: np.ndarray | None = None
         self._last_checks = 0
         self.last_request_ids: list[str] = []
 
@@ -190,9 +189,9 @@ class CanaryWorker:
         self.split_forwards += len(self._waves) > 1
         if self.sources is not None and self.sources.mirror is not None:
             r2t = view.req_to_token.numpy()
-            self._blocks = np.unique(np.concatenate(
+            blocks = np.unique(np.concatenate(
                 [r2t[view.rows.numpy()].ravel(), view.out_slots.numpy()]) // self.block_size)
-            self.sources.mirror.refresh(self._blocks)
+            self.sources.mirror.refresh(blocks)
         try:
             canary.pre_forward(view=self._waves[0])
         except Exception:
@@ -210,8 +209,10 @@ class CanaryWorker:
         waves, self._waves = self._waves, []
         try:
             mirror = self.sources.mirror if self.sources is not None else None
-            if mirror is not None:
-                mirror.refresh(self._blocks)
+            if mirror is not None:  # TAIL reads the slots this forward wrote
+                written = waves[0].out_slots.numpy() if len(waves) == 1 else np.concatenate(
+                    [w.out_slots.numpy() for w in waves])
+                mirror.refresh(np.unique(written[written > 0] // self.block_size))
             canary.post_forward(view=waves[0])
             for later in waves[1:]:  # rows that hit prefix blocks written by this forward
                 canary.pre_forward(view=later)
