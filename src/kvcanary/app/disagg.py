@@ -39,7 +39,7 @@ from kvcanary.engine.transfer_faults import TransferFaultRecord, TransferFaults
 
 __all__ = ["DisaggOptions", "DisaggResult", "run_disaggregated", "serve_disaggregated"]
 
-_WAIT_S = 120.0  # a silent peer for this long means it died: fail instead of hanging
+_WAIT_S = 600.0  # a silent peer for this long means it died (a loaded machine can take minutes to start one)
 
 
 @dataclass(frozen=True, slots=True)
