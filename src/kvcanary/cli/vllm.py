@@ -5,7 +5,8 @@ vLLM's `LLM` (engine core where `VLLM_ENABLE_V1_MULTIPROCESSING` puts it; vLLM's
 child process) and prints the `kvcanary run` summary plus vLLM's own counters. `--serve` runs the
 same workload over HTTP against vLLM's OpenAI server on 127.0.0.1. With `--faults` it runs the
 vLLM fault campaign instead (in-process engine core): per seed a clean run, then each fault armed
-once, correlated 1:1.
+once, correlated 1:1; with `--kv-canary recover` the outcome campaign: every output compared with
+the fault-free run (`kvcanary.app.vllm.recover_campaign`).
 """
 
 from __future__ import annotations
@@ -215,7 +216,10 @@ def vllm(
         install_prepare_inputs_hook()
     err_console.print(f"starting vLLM on {settings.model} ...", markup=False)
     engine = VllmEngine(settings, canary_env(config), hooks=injector)
-    if modes:
+    if modes and config.recover:
+        assert injector is not None
+        _recover_campaign(engine, injector, spec, json_path)
+    elif modes:
         assert injector is not None
         _campaign(engine, injector, spec, json_path)
     else:
@@ -331,4 +335,47 @@ def _campaign(engine: Any, injector: Any, spec: Any, json_path: Path | None) -> 
     for name, seed in failing:
         typer.echo(f"{name} seed {seed} failed; replay: {replay_command(name, seed)}", err=True)
     if not campaign_passed(baseline, summaries):
+        raise typer.Exit(EXIT_VIOLATIONS)
+
+
+def _recover_campaign(engine: Any, injector: Any, spec: Any, json_path: Path | None) -> None:
+    """`--kv-canary recover --faults ...`: outputs against the fault-free run, per fault."""
+    from rich.table import Table
+
+    from kvcanary.app.vllm.recover_campaign import (
+        recover_json,
+        recover_passed,
+        recover_rows,
+        run_vllm_recover_campaign,
+    )
+
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)  # rows go to the table and JSON
+    total = spec.seeds * (1 + len(spec.modes))
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=err_console,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("campaign", total=total)
+        baseline, per_mode = run_vllm_recover_campaign(
+            engine, injector, spec, lambda msg: bar.update(task, advance=1, description=msg)
+        )
+    rows = recover_rows(baseline, per_mode)
+    table = Table(title=f"kvcanary vllm --kv-canary recover ({spec.seeds} seeds, "
+                        f"{spec.requests} requests each, against the fault-free run)")  # fmt: skip
+    columns = ("name", "seeds", "fired", "corrupted_delivered", "failed", "recovered",
+               "recompute_tokens", "incidents", "violations")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="left" if col == "name" else "right")
+    for row in rows:
+        table.add_row(*(str(row[c]) for c in columns))
+    Console().print(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps(recover_json(baseline, per_mode), indent=2) + "\n")
+    for o in [*baseline, *(o for outs in per_mode.values() for o in outs)]:
+        if o.corrupted_delivered or (o.name == "clean" and (o.incidents or o.violations)):
+            faults = "none" if o.name == "clean" else o.name
+            typer.echo(f"{o.name} seed {o.seed}: {o.corrupted_delivered} corrupted output(s) "
+                       f"delivered; replay: kvcanary vllm --kv-canary recover --faults {faults} "
+                       f"--first-seed {o.seed} --seeds 1", err=True)  # fmt: skip
+    if not recover_passed(baseline, per_mode):
         raise typer.Exit(EXIT_VIOLATIONS)

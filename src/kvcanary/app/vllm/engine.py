@@ -64,6 +64,7 @@ class VllmRun:
     violations: tuple[Violation, ...] = field(repr=False)
     outputs: tuple[tuple[int, ...], ...] = field(repr=False)
     start_step: int = 0
+    finish_reasons: tuple[str | None, ...] = field(default=(), repr=False)
 
 
 def _metric_totals(llm: Any) -> Counter[str]:
@@ -91,7 +92,8 @@ def _metric_totals(llm: Any) -> Counter[str]:
 class VllmEngine:
     """A vLLM `LLM` on CPU with `KVCanaryConnector` as its KV connector."""
 
-    def __init__(self, settings: VllmSettings, env: Mapping[str, str], hooks: Any = None) -> None:
+    def __init__(self, settings: VllmSettings, env: Mapping[str, str], hooks: Any = None,
+                 failure_policy: str = "recompute") -> None:  # fmt: skip
         os.environ.update(env)
         STATE.hooks = hooks
         from vllm import LLM
@@ -102,6 +104,8 @@ class VllmEngine:
         self.in_process = in_process()
         mode = env.get("KVCANARY_MODE", "none")
         transfer = dict(CONNECTOR_CONFIG) if mode != "none" else None
+        if transfer is not None and mode == "recover":
+            transfer["kv_load_failure_policy"] = failure_policy
         self.llm = LLM(
             model=str(settings.model), skip_tokenizer_init=True, dtype=settings.dtype,
             block_size=settings.block_size, enable_prefix_caching=True,
@@ -188,7 +192,8 @@ class VllmEngine:
             figures["split_forwards"] = w.split_forwards - split0
             figures["canary_seconds"] = round(w.canary_seconds - seconds0, 3)
         outputs = tuple(tuple(o.outputs[0].token_ids) for o in outs)
-        return VllmRun(figures, violations, outputs, start_step=step0)
+        reasons = tuple(o.outputs[0].finish_reason for o in outs)
+        return VllmRun(figures, violations, outputs, start_step=step0, finish_reasons=reasons)
 
     @property
     def mode(self) -> str:
