@@ -175,6 +175,18 @@ class CanaryWorker:
         )  # fmt: skip
         return canary
 
+    def attach_hooks(self, hooks: Any) -> None:
+        """Use `hooks` (a driver's fault injector: canary `PerturbHooks` and/or `RunnerHooks`)
+        from the next forward on; a driver reaches the worker's process only after install
+        (vLLM's `collective_rpc`, `kvcanary.app.vllm.rpc`)."""
+        self.hooks = hooks
+        if hooks is not None and hasattr(hooks, "runner"):
+            hooks.runner = self.runner
+        if hooks is not None and hasattr(hooks, "walker"):
+            hooks.walker = self.walker  # the scheduler's snapshot of this step (sweep steps)
+        if self.canary is not None:
+            self.canary.set_perturber(hooks if hasattr(hooks, "before_plan") else None)
+
     # ------------------------------------------------------------------ per forward
     def before_forward(self, slot_mapping: Any) -> None:
         """Build this forward's view(s) from the runner and run HEAD for the first wave."""
@@ -302,6 +314,10 @@ class CanaryWorker:
             if i < ib.num_reqs and blocks.intersection(bt.block_table.np[i].tolist()):
                 out.append(str(rid))
         return out
+
+    def running_requests(self) -> list[str]:
+        """The vLLM request ids of the forward the canary checked last."""
+        return [str(r) for r in self.last_request_ids]
 
     def take_figures(self) -> StepFigures:
         """The figures since the previous call (then reset)."""
