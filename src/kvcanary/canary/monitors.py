@@ -28,11 +28,15 @@ class HealthChecker:
         """Record that a forward ran."""
         self._forwards_since += 1
 
+    def due(self, step: int) -> bool:
+        """True when `check` at `step` would run (a check step with a forward since the last)."""
+        return step >= HEALTH_PERIOD and step % HEALTH_PERIOD == 0 and self._forwards_since > 0
+
     def check(
         self, step: int, expected: Collection[LaunchTag], counters: Mapping[LaunchTag, int]
     ) -> str | None:
         """The failure message at a due step, else None. Resets the baseline when it runs."""
-        if step < HEALTH_PERIOD or step % HEALTH_PERIOD or self._forwards_since == 0:
+        if not self.due(step):
             return None
         stalled = [t for t in sorted(expected) if counters[t] <= self._baseline.get(t, 0)]
         self._baseline = dict(counters)

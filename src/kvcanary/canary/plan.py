@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from kvcanary.canary.capacities import CanaryLaunchCapacities
 from kvcanary.canary.view_checks import (
@@ -25,6 +26,7 @@ __all__ = [
     "ViewSnapshot",
     "as_int_array",
     "build_group_plan",
+    "int64_copy",
     "new_write_marks",
     "snapshot_view",
 ]
@@ -61,6 +63,41 @@ def _same_length(names: tuple[str, ...], arrays: tuple[npt.NDArray[Any], ...]) -
             )
 
 
+def int64_copy(name: str, value: Any) -> I64:
+    """A 1-D int64 copy of an int32/int64 tensor or array (`as_int_array`'s checks and errors);
+    a CPU int64 tensor, the common case, takes the short path."""
+    if (
+        type(value) is torch.Tensor
+        and value.dtype is torch.int64
+        and value.dim() == 1
+        and value.device.type == "cpu"
+    ):
+        out: I64 = value.detach().numpy().copy()
+        return out
+    return as_int_array(name, value, 1).astype(np.int64)
+
+
+def _check_active_rows(rows: I64, extend_lens: I64, num_tokens: int) -> None:
+    """Padding rows (0) only after the active rows, and the active rows' write lengths fit the
+    `num_tokens` flat entries (SPEC §2.2)."""
+    active_idx = np.flatnonzero(rows)
+    n_active = len(active_idx)
+    if n_active and int(active_idx[-1]) != n_active - 1:
+        first_pad = int(np.flatnonzero(rows == 0)[0])
+        raise CanaryContractError(
+            f"kv-canary: forward_view padding row at index {first_pad} precedes an active row"
+        )
+    # Active rows are the first n_active: a capped sum is exact whenever it fits num_tokens.
+    capped = int(np.minimum(np.maximum(extend_lens[:n_active], 0), num_tokens + 1).sum())
+    if capped <= num_tokens:
+        return
+    needed = needed_tokens(rows != 0, extend_lens, num_tokens)
+    raise CanaryContractError(
+        f"kv-canary: forward_view active rows need {needed} tokens but only {num_tokens} "
+        "were given"
+    )
+
+
 def snapshot_view(
     view: ForwardView,
     *,
@@ -69,31 +106,20 @@ def snapshot_view(
     token_check: bool,
 ) -> ViewSnapshot:
     """Validate `view` against the contract and capacities (SPEC §2.2, §6, §14.2), and snapshot
-    it: the flat arrays are copied, `req_to_token` stays the live table."""
+    it: the flat arrays are copied, `req_to_token` stays the live table.
+
+    Rows that do not fit `req_to_token` (row index, negative prefix, too long) are checked once,
+    by the plan builder (`build_group_plan`), which reads those rows anyway.
+    """
     rows, prefix_lens, extend_lens = (
-        as_int_array(n, getattr(view, n), 1).astype(np.int64)
-        for n in ("rows", "prefix_lens", "extend_lens")
+        int64_copy(n, getattr(view, n)) for n in ("rows", "prefix_lens", "extend_lens")
     )
     _same_length(("rows", "prefix_lens", "extend_lens"), (rows, prefix_lens, extend_lens))
-    flat = tuple(
-        as_int_array(n, getattr(view, n), 1).astype(np.int64)
-        for n in ("input_ids", "positions", "out_slots")
-    )
+    flat = tuple(int64_copy(n, getattr(view, n)) for n in ("input_ids", "positions", "out_slots"))
     _same_length(("input_ids", "positions", "out_slots"), flat)
     req_to_token = as_int_array("req_to_token", view.req_to_token, 2)
-    active = rows != 0
-    if active.any() and not active[: int(np.flatnonzero(active)[-1]) + 1].all():
-        first_pad = int(np.flatnonzero(~active)[0])
-        raise CanaryContractError(
-            f"kv-canary: forward_view padding row at index {first_pad} precedes an active row"
-        )
     num_tokens = len(flat[0])
-    needed = needed_tokens(active, extend_lens, num_tokens)
-    if needed > num_tokens:
-        raise CanaryContractError(
-            f"kv-canary: forward_view active rows need {needed} tokens but only {num_tokens} "
-            "were given"
-        )
+    _check_active_rows(rows, extend_lens, num_tokens)
     if len(rows) > capacities.write_req_capacity:
         raise CanaryContractError(
             f"kv-canary: forward_view.batch_size={len(rows)} exceeds pre-allocated "
@@ -107,7 +133,6 @@ def snapshot_view(
             "--chunked-prefill-size / --max-prefill-tokens or check "
             "CanaryLaunchCapacities.from_args"
         )
-    check_rows_fit(rows, prefix_lens, extend_lens, req_to_token.shape)
     empty = np.zeros(0, dtype=np.int64)
     exp_tok, exp_pos = empty, empty
     write_assert = write_assert and not bool(view.skip_write_input_assert)
@@ -193,11 +218,8 @@ class GroupPlan:
     verify_total: int
     overflow: bool
     shadowed: bool = False
-
-    @property
-    def num_writes(self) -> int:
-        """Write entries that store a record (slot >= 0)."""
-        return int(np.count_nonzero(self.w_slots >= 0))
+    #: write entries that store a record (slot >= 0); counted once, when the plan is built
+    num_writes: int = 0
 
 
 def new_write_marks(num_slots: int) -> I64:
@@ -219,7 +241,8 @@ def build_group_plan(
 ) -> GroupPlan:
     """Run the kernel plan builder for one group and turn its error codes into exceptions.
 
-    The plan builder range-checks every slot it emits (seeds, write slots, verify slots and
+    The plan builder checks that the active rows fit `req_to_token` (the only place this is
+    checked) and range-checks every slot it emits (seeds, write slots, verify slots and
     predecessors, SWA table values), so no verify or write kernel ever indexes out of the
     group, whatever the view holds. `marks` is the group's `new_write_marks` scratch.
     """
@@ -240,7 +263,7 @@ def build_group_plan(
         )
     if err_kind == 2:
         raise slot_error(err_value, group_name, num_slots)
-    if err_kind == 3:  # snapshot_view checked the rows already; kept for direct callers
+    if err_kind == 3:  # the one rows check (SPEC §14.2): name the first bad row
         check_rows_fit(snap.rows, snap.prefix_lens, snap.extend_lens, snap.req_to_token.shape)
         raise CanaryContractError("kv-canary: forward_view rows reach past req_to_token")
     req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok = out[:7]
@@ -255,4 +278,5 @@ def build_group_plan(
         int(out[7]),
         bool(out[8]),
         bool(out[10]),
+        int(np.count_nonzero(w_slots >= 0)),
     )

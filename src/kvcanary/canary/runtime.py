@@ -19,7 +19,7 @@ from kvcanary.canary.errors import CanaryHealthError, CanaryViolationError
 from kvcanary.canary.incidents import IncidentCollector, PassRows
 from kvcanary.canary.kernels import KERNEL_IMPLEMENTATIONS
 from kvcanary.canary.monitors import HealthChecker, stats_line, warn_verify_overflow
-from kvcanary.canary.perturb_seam import PerturbHooks, PerturbRecord
+from kvcanary.canary.perturb_seam import BindsCanary, PerturbHooks, PerturbRecord
 from kvcanary.canary.plan import GroupPlan, ViewSnapshot, build_group_plan, snapshot_view
 from kvcanary.canary.ring import ViolationRing
 from kvcanary.canary.sources import FoldSources
@@ -47,8 +47,11 @@ SERIAL_LAUNCH_ENTRIES = 4096
 @contextmanager
 def _launch_threads(entries: int) -> Iterator[None]:
     """Run the kernels launched inside on one thread when `entries` is below the threshold."""
+    if entries >= SERIAL_LAUNCH_ENTRIES:
+        yield
+        return
     before = int(numba.get_num_threads())
-    if entries >= SERIAL_LAUNCH_ENTRIES or before == 1:
+    if before == 1:
         yield
         return
     numba.set_num_threads(1)
@@ -118,11 +121,33 @@ class Canary:
         self._open: _OpenForward | None = None
         self._tripped = False
         self._health = HealthChecker()
+        # Built once: the config and groups are frozen, and these are read every forward.
+        self._tags = {
+            (stage, half, g.name): LaunchTag.of(stage, half, g.name)
+            for g in self.groups
+            for half in ("k", "v")
+            for stage in ("head", "tail", "sweep")
+        }
+        stages = ("head", "tail", "sweep") if config.sweep_interval > 0 else ("head", "tail")
+        self._active_tags = tuple(
+            sorted(self._tags[stage, half, g.name] for g in self.groups for half in g.halves
+                   for stage in stages)
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- lifecycle (CanaryHooks)
     def mark_init_finished(self) -> None:
         """Warm-up is over: turn on the chain-position assert."""
         self.chain_position_assert_enabled = True
+
+    def set_perturber(self, perturb: PerturbHooks | None) -> None:
+        """Attach (or, with None, detach) a fault injector after install (an engine that builds
+        the canary itself, e.g. inside vLLM's engine core, gets its driver's injector later);
+        a `BindsCanary` one is bound here. Between forwards only."""
+        if self._open is not None:
+            raise CanaryContractError("kv-canary: set_perturber while a forward is open")
+        self._perturb = perturb
+        if isinstance(perturb, BindsCanary):
+            perturb.bind(self)
 
     def attach_prefix_cache(self, *, walker: PrefixCacheWalker) -> None:
         """Enable sweeps over `walker`."""
@@ -211,7 +236,7 @@ class Canary:
         with _launch_threads(len(slots)):
             for stage in ("head", "tail"):
                 for half in g.halves:
-                    tag = LaunchTag.of(stage, half, g.name)
+                    tag = self._tags[stage, half, g.name]
                     rows = self._verify(
                         tag, g.words(stage, half),
                         g.stage_sources(stage, half), slots, prevs, positions, tokens,
@@ -247,13 +272,7 @@ class Canary:
     @property
     def active_tags(self) -> list[LaunchTag]:
         """Tags whose endpoints run: HEAD/TAIL per group and half; SWEEP when interval > 0."""
-        stages = ("head", "tail", "sweep") if self.config.sweep_interval > 0 else ("head", "tail")
-        return sorted(
-            LaunchTag.of(stage, half, g.name)
-            for g in self.groups
-            for half in g.halves
-            for stage in stages
-        )
+        return list(self._active_tags)
 
     def group(self, name: str) -> GroupBuffers:
         """The group named `full` or `swa`."""
@@ -293,7 +312,7 @@ class Canary:
         for g in self.groups:
             plan = plans[g.name]
             for half in g.halves:
-                tag = LaunchTag.of(stage, half, g.name)
+                tag = self._tags[stage, half, g.name]
                 words, src = g.words(stage, half), g.stage_sources(stage, half)
                 if not plan.overflow:
                     rows = self._verify(
@@ -364,7 +383,7 @@ class Canary:
             # An evicted SWA slot translates to 0 and is skipped by verify.
             tokens = np.full(len(slots), -1, dtype=np.int64)
             for half in g.halves:
-                tag = LaunchTag.of("sweep", half, g.name)
+                tag = self._tags["sweep", half, g.name]
                 rows = self._verify(
                     tag, g.words("sweep", half), g.stage_sources("sweep", half),
                     slots, prevs, walked[:, 1].copy(), tokens,
@@ -385,9 +404,11 @@ class Canary:
             logger.warning("%s", v.message)
 
     def _check_health(self) -> None:
+        if not self._health.due(self.step):
+            return
         expected = [
             t
-            for t in self.active_tags
+            for t in self._active_tags
             if not t.is_sweep
             or (self._walker is not None and 0 < self.config.sweep_interval <= 100)
         ]
@@ -409,6 +430,6 @@ class Canary:
                 protected_tokens=sum(self.slot_run_counter.values()),
                 sweep_passes=self.sweep_passes,
                 violations=self.total_violations,
-                active_tags=len(self.active_tags),
+                active_tags=len(self._active_tags),
             ),
         )

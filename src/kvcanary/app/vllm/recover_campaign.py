@@ -25,7 +25,6 @@ from typing import Any
 from kvcanary.adapters.vllm.state import STATE
 from kvcanary.app.vllm.campaign import VllmCampaignSpec
 from kvcanary.app.vllm.engine import VllmEngine, VllmRun
-from kvcanary.app.vllm.faults import VllmFaultInjector
 from kvcanary.app.vllm.workload import VllmRequest, VllmWorkload
 
 __all__ = ["VllmOutcome", "recover_json", "recover_passed", "recover_rows",
@@ -78,46 +77,46 @@ def _compare(name: str, seed: int, run: VllmRun, reference: VllmRun, before: dic
     )  # fmt: skip
 
 
-def _serve(engine: VllmEngine, injector: VllmFaultInjector, spec: VllmCampaignSpec,
-           workload: Sequence[VllmRequest], seed: int, mode: str | None,
-           reference: VllmRun | None) -> tuple[VllmRun, VllmOutcome]:  # fmt: skip
+def _serve(engine: VllmEngine, spec: VllmCampaignSpec, workload: Sequence[VllmRequest],
+           seed: int, mode: str | None, reference: VllmRun | None
+           ) -> tuple[VllmRun, VllmOutcome]:  # fmt: skip
     engine.reset_prefix_cache()
     rec = _recovery()
     rec.figures.recovered_requests.clear()
     rec.figures.failed_requests.clear()
     rec.attempts.clear()
     before = rec.figures.as_dict()
-    canary = engine.canary
-    assert canary is not None
     if mode is not None:
         offset = random.Random(f"{mode}:{seed}").randrange(spec.warmup_steps)
-        injector.arm(mode, seed=seed, first_step=canary.step + spec.warmup_steps + offset)
+        engine.arm(mode, seed=seed, steps_ahead=spec.warmup_steps + offset)
+    fired = False
     try:
         run = engine.run(workload, seed=seed)
     finally:
-        fired = bool(injector.disarm()) if mode is not None else False
+        if mode is not None:
+            fired = bool(engine.disarm(sweep_interval=spec.sweep_interval))
     outcome = _compare(mode or "clean", seed, run, reference or run, before, fired)
     return run, outcome
 
 
 def run_vllm_recover_campaign(
     engine: VllmEngine,
-    injector: VllmFaultInjector,
     spec: VllmCampaignSpec,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[list[VllmOutcome], dict[str, list[VllmOutcome]]]:
-    """The clean reference and every armed fault on every seed (engine in mode `recover`)."""
+    """The clean reference and every armed fault on every seed (engine in mode `recover`, built
+    with `faults=True`, engine core in this process)."""
     baseline: list[VllmOutcome] = []
     per_mode: dict[str, list[VllmOutcome]] = {m: [] for m in spec.modes}
     for seed in range(spec.first_seed, spec.first_seed + spec.seeds):
         workload = VllmWorkload(num_requests=spec.requests, seed=seed,
                                 max_tokens=spec.max_tokens).requests()  # fmt: skip
-        reference, clean = _serve(engine, injector, spec, workload, seed, None, None)
+        reference, clean = _serve(engine, spec, workload, seed, None, None)
         baseline.append(clean)
         if progress:
             progress(f"clean seed {seed}")
         for mode in spec.modes:
-            _, outcome = _serve(engine, injector, spec, workload, seed, mode, reference)
+            _, outcome = _serve(engine, spec, workload, seed, mode, reference)
             per_mode[mode].append(outcome)
             if progress:
                 progress(f"{mode} seed {seed}")

@@ -53,6 +53,29 @@ _prefetch_read = _make_prefetch(0)
 _prefetch_write = _make_prefetch(1)
 
 
+@intrinsic
+def _prefetch_word(typingctx, words, row, col):  # type: ignore[no-untyped-def]
+    """Prefetch (for reading) the cache line holding `words[row, col]`; a hint that never
+    faults, whatever `row` and `col` are, and changes no result."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        r = context.cast(builder, args[1], signature.args[1], types.intp)
+        c = context.cast(builder, args[2], signature.args[2], types.intp)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        ptr = cgutils.get_item_pointer(
+            context, builder, aryty, ary, [r, c], wraparound=False, boundscheck=False
+        )
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(words, row, col), codegen
+
+
 @njit(cache=True, inline="always")
 def splitmix64(x):  # type: ignore[no-untyped-def]
     x ^= x >> _S30
@@ -78,6 +101,30 @@ def _fold_one(words, page_size, per_token, nread, slot):  # type: ignore[no-unty
     for w in range(nread):
         acc = splitmix64(acc ^ words[row, col + w])
     return acc
+
+
+@njit(cache=True, inline="always")
+def _prefetch_tile(words, page_size, per_token, nread, slot):  # type: ignore[no-untyped-def]
+    """Prefetch the words `_fold_one` reads for `slot` (first and last: a tile may straddle a
+    cache line)."""
+    row = slot // page_size
+    col = (slot % page_size) * per_token
+    _prefetch_word(words, row, col)
+    _prefetch_word(words, row, col + nread - 1)
+
+
+@njit(cache=True, inline="always")
+def prefetch_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-untyped-def]
+    """Prefetch every source tile `fold_sources` reads for `slot` (real-KV rows are far apart
+    in memory, so a fold over many entries is otherwise one DRAM latency per entry)."""
+    if count > 0:
+        _prefetch_tile(s0, params[0, 0], params[0, 1], params[0, 2], slot)
+    if count > 1:
+        _prefetch_tile(s1, params[1, 0], params[1, 1], params[1, 2], slot)
+    if count > 2:
+        _prefetch_tile(s2, params[2, 0], params[2, 1], params[2, 2], slot)
+    if count > 3:
+        _prefetch_tile(s3, params[3, 0], params[3, 1], params[3, 2], slot)
 
 
 @njit(cache=True, inline="always")

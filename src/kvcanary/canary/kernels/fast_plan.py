@@ -36,13 +36,15 @@ def _translate(x, lut, use_lut, num_slots, allow_none):  # type: ignore[no-untyp
 
 @njit(cache=True)
 def _rows_fit(rows, prefix_lens, req_offsets, nrows_table, ncols):  # type: ignore[no-untyped-def]
-    """Index of the first active row outside `req_to_token` (row index, or positions past its
-    width, overflow-safe), or -1."""
+    """Index of the first active row outside `req_to_token` (row index, a negative prefix, or
+    positions past its width, overflow-safe), or -1. The one check of SPEC §14.2's row rule:
+    `plan.build_group_plan` turns a hit into the message naming the row."""
     for r in range(rows.shape[0]):
         if rows[r] == 0:
             continue
         wl = req_offsets[r + 1] - req_offsets[r]
-        if rows[r] < 0 or rows[r] >= nrows_table or prefix_lens[r] > ncols - wl:
+        p = prefix_lens[r]
+        if rows[r] < 0 or rows[r] >= nrows_table or p < 0 or p > ncols - wl:
             return r
     return -1
 

@@ -20,7 +20,10 @@ from kvcanary.canary.kernels._intrinsics import (
     _record,
     fold_sources,
     mix3,
+    prefetch_sources,
 )
+
+_FOLD_AHEAD = 32  # entries: real-KV tiles are requested this far ahead of their fold
 
 # `verify` is parallel=True only so that loading it from numba's cache starts the thread pool its
 # parallel helpers need; numba warns that it found nothing to parallelise in its own body.
@@ -200,6 +203,10 @@ def _count_bad_folded(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params,
     bad = 0
     for i in prange(n):
         _prefetch_entry(buf, v_slot, i + _PREFETCH_AHEAD, n)
+        if i + _FOLD_AHEAD < n:
+            ahead = v_slot[i + _FOLD_AHEAD]
+            if ahead > 0:
+                prefetch_sources(s0, s1, s2, s3, params, count, ahead)
         slot = v_slot[i]
         if slot != 0:
             fold = fold_sources(s0, s1, s2, s3, params, count, slot)

@@ -68,11 +68,11 @@ def build_plan(
     Returns `(req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, verify_total, overflow,
     err, shadowed)`. `err = (kind, value)`: kind 1 is a SWA index outside the LUT, 2 a slot (or
     LUT value) outside the group, 3 an active row (value = batch index, or -1 when the flat
-    arrays are too short) outside `req_to_token`; 0 means no error, and on error the arrays are
-    unspecified. Checked in order: rows, seeds, write slots, then verify entries (slot, then
-    prev), each in plan order. `shadowed` is True when two write entries name one slot, so the
-    writes must be applied in flat order (SPEC §14.1). `marks` is the fast kernel's scratch
-    array (unused here).
+    arrays are too short) outside `req_to_token` or with a negative prefix; 0 means no error,
+    and on error the arrays are unspecified. Checked in order: rows, seeds, write slots, then
+    verify entries (slot, then prev), each in plan order. `shadowed` is True when two write
+    entries name one slot, so the writes must be applied in flat order (SPEC §14.1). `marks` is
+    the fast kernel's scratch array (unused here).
     """
     del marks
     i64 = np.int64
@@ -88,7 +88,7 @@ def build_plan(
 
     for r in range(nrows):
         row, prefix = int(rows[r]), int(prefix_lens[r])
-        if row != 0 and (not 0 <= row < r2t.shape[0] or prefix + wl[r] > ncols):
+        if row != 0 and (not 0 <= row < r2t.shape[0] or prefix < 0 or prefix + wl[r] > ncols):
             return fail(3, r)
     if sum(wl) > len(out_slots):
         return fail(3, -1)
