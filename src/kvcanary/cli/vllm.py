@@ -405,7 +405,7 @@ def _recover_campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
         table.add_column(col, justify="left" if col == "name" else "right")
     for row in rows:
         table.add_row(*(str(row[c]) for c in columns))
-    Console().print(table)
+    Console(width=max(Console().width, 132)).print(table)  # full column names
     if json_path is not None:
         json_path.write_text(json.dumps(recover_json(baseline, per_mode), indent=2) + "\n")
     for o in [*baseline, *(o for outs in per_mode.values() for o in outs)]:
