@@ -249,8 +249,9 @@ def run(
     compile_seconds = None
     if config.enabled and compile_cache.is_cold():  # before the bar: it would sit at 0
         err_console.print(f"kvcanary: compiling kernels, first run only, "
-                          f"~{compile_cache.COLD_START_SECONDS} s", markup=False, highlight=False)  # fmt: skip
+                          f"~{compile_cache.estimate_seconds()} s", markup=False, highlight=False)  # fmt: skip
         compile_seconds = round(warm_up_kernels(settings), 3)
+        compile_cache.record_seconds(compile_seconds)
     try:
         with Progress(
             TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
