@@ -21,6 +21,7 @@ compilation instead of ~40 (bench/cold_start.py prints cold and warm runs side b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Mapping
@@ -109,7 +110,5 @@ def estimate_seconds(environ: Mapping[str, str] = os.environ) -> int:
 
 def record_seconds(seconds: float, environ: Mapping[str, str] = os.environ) -> None:
     """Remember how long this cold compile took, for the next `estimate_seconds` (best effort)."""
-    try:
+    with contextlib.suppress(OSError):
         _last_file(environ).write_text(f"{seconds:.1f}\n")
-    except OSError:
-        pass
