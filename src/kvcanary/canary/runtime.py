@@ -18,7 +18,7 @@ from kvcanary.canary.errors import CanaryHealthError, CanaryViolationError
 from kvcanary.canary.incidents import IncidentCollector, PassRows
 from kvcanary.canary.kernels import KERNEL_IMPLEMENTATIONS
 from kvcanary.canary.monitors import HealthChecker, stats_line, warn_verify_overflow
-from kvcanary.canary.perturb_seam import PerturbHooks, PerturbRecord
+from kvcanary.canary.perturb_seam import BindsCanary, PerturbHooks, PerturbRecord
 from kvcanary.canary.plan import GroupPlan, ViewSnapshot, build_group_plan, snapshot_view
 from kvcanary.canary.ring import ViolationRing
 from kvcanary.canary.sources import FoldSources
@@ -144,6 +144,16 @@ class Canary:
     def mark_init_finished(self) -> None:
         """Warm-up is over: turn on the chain-position assert."""
         self.chain_position_assert_enabled = True
+
+    def set_perturber(self, perturb: PerturbHooks | None) -> None:
+        """Attach (or, with None, detach) a fault injector after install (an engine that builds
+        the canary itself, e.g. inside vLLM's engine core, gets its driver's injector later);
+        a `BindsCanary` one is bound here. Between forwards only."""
+        if self._open is not None:
+            raise CanaryContractError("kv-canary: set_perturber while a forward is open")
+        self._perturb = perturb
+        if isinstance(perturb, BindsCanary):
+            perturb.bind(self)
 
     def attach_prefix_cache(self, *, walker: PrefixCacheWalker) -> None:
         """Enable sweeps over `walker`."""
