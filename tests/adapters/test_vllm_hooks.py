@@ -26,6 +26,31 @@ def test_wrapped_functions_keep_their_signatures() -> None:
         "self", "request", "blocks", "num_cached_blocks", "num_full_blocks"
     ]
     assert params(GPUModelRunner._prepare_inputs)[0] == "self"  # driver-only fault hook
+    for name in ("_maybe_evict_cached_block", "get_cached_block"):  # the stale_prefix_hit plant
+        assert name in BlockPool.__dict__, name
+    assert params(BlockPool.get_cached_block)[:3] == ["self", "block_hash", "kv_cache_group_ids"]
+
+
+def test_engine_dead_error_still_carries_its_message_in_args() -> None:
+    """The plugin prefixes the violation to `args[0]`; clients see `str(exc)`."""
+    import os
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from kvcanary.adapters.vllm.plugin import STOP_NOTE_ENV, apply_patches, write_stop_note
+
+    assert params(EngineDeadError.__init__)[:2] == ["self", "args"]
+    apply_patches(shortcut=False)
+    path = os.environ[STOP_NOTE_ENV]
+    assert "EngineCore encountered an issue" in str(EngineDeadError())
+    assert not str(EngineDeadError()).startswith("kv-canary")  # no note: vLLM's message alone
+    try:
+        write_stop_note("kv_canary violation: launch_tag=TAIL_V_FULL slot_idx=7\nmore")
+        text = str(EngineDeadError())
+        assert text.startswith("kv-canary: raise mode stopped vLLM: kv_canary violation: "
+                               "launch_tag=TAIL_V_FULL slot_idx=7 (EngineCore encountered")
+    finally:
+        os.unlink(path)
 
 
 def test_the_connector_api_the_adapter_implements() -> None:

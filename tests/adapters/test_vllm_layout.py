@@ -130,3 +130,21 @@ def test_one_flipped_byte_in_the_live_cache_is_reported_at_exactly_its_slot(
     assert {v.slot_idx for v in found} == {victim_slot}
     assert all("verify_real_kv_hash" in fail_reason_labels(v.fail_reason_bits) for v in found)
     assert all(v.position == victim for v in found)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_isa_vllm_picks_on_this_machine_is_covered(dtype: torch.dtype, head_dim: int) -> None:
+    """vLLM's own choice (`_get_attn_isa`: AMX detected, not assumed) is one of `ISAS`, and the
+    one-byte K and V flips are reported at exactly their slot with it (head_dim 48 -> vec16)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    picked = _get_attn_isa(dtype, B, head_dim)
+    amx = torch.cpu._is_amx_tile_supported()
+    if head_dim % 32:
+        assert picked == "vec16"
+    else:
+        assert picked == ("amx" if amx and dtype == torch.bfloat16 else "vec")
+    assert picked in ISAS
+    for half in ("k", "v"):
+        test_one_flipped_byte_in_the_live_cache_is_reported_at_exactly_its_slot(dtype, picked, half)

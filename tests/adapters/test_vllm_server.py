@@ -71,7 +71,10 @@ def test_raise_mode_stops_the_server_with_the_violation_in_its_log(tmp_path: Pat
     first = text.index("kv-canary: raise mode stops vLLM: kv_canary violation: launch_tag=")
     assert "fail_reason=verify_real_kv_hash" in text[first : first + 300]
     failed = [r for r in results if r.status != 200]
-    assert failed and all(r.status == 500 and "EngineCore" in r.error for r in failed)
+    # every in-flight client learns which violation stopped vLLM, not only "EngineCore ..."
+    named = "kv-canary: raise mode stopped vLLM: kv_canary violation: launch_tag="
+    assert failed and all(r.status == 500 and named in r.error for r in failed), failed[0].error
+    assert "fail_reason=verify_real_kv_hash" in failed[0].error
     # a request that did answer finished before the failing step: all its tokens, no partial one
     for req, r in zip(requests, results, strict=True):
         assert r.status != 200 or r.tokens == req.max_tokens

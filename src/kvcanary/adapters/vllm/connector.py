@@ -31,7 +31,7 @@ import sys
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
     from kvcanary.adapters.vllm.worker import CanaryWorker
 
-__all__ = ["VIOLATION_REASONS", "KVCanaryConnector", "KVCanaryStats"]
+__all__ = ["VIOLATION_REASONS", "DriverMessage", "KVCanaryConnector", "KVCanaryStats"]
 
 logger = logging.getLogger("kvcanary")
 
@@ -66,24 +66,43 @@ VIOLATION_REASONS = ("verify_chain_hash", "verify_position", "verify_real_kv_has
 
 @dataclass
 class CanaryStepMeta(KVConnectorMetadata):
-    """Scheduler -> worker, one per step: the cached blocks to sweep (on sweep steps)."""
+    """Scheduler -> worker, one per step: the cached blocks to sweep (on sweep steps), and the
+    scheduler-side driver agents' messages for the worker's hooks (`driver`)."""
 
     snapshot: BlockSnapshot | None = None
+    driver: list[Any] = field(default_factory=list)
 
 
 @dataclass
 class CanaryWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one per step (summed over ranks): this step's violation counts."""
+    """Worker -> scheduler, one per step (summed over ranks): this step's violation counts, and
+    the worker hooks' messages for the scheduler's process (`driver`, see `DriverMessage`)."""
 
     violations: dict[str, int] = field(default_factory=dict)
     forwards: int = 0
+    driver: list[Any] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Sum the ranks' counts (each rank checks its own KV shard)."""
+        """Sum the ranks' counts (each rank checks its own KV shard); keep every message."""
         assert isinstance(other, CanaryWorkerMeta)
         merged = Counter(self.violations)
         merged.update(other.violations)
-        return CanaryWorkerMeta(dict(merged), self.forwards + other.forwards)
+        return CanaryWorkerMeta(dict(merged), self.forwards + other.forwards,
+                                [*self.driver, *other.driver])  # fmt: skip
+
+
+@runtime_checkable
+class DriverMessage(Protocol):
+    """A message a driver's worker-side hooks (`outbox()`) send to the scheduler's process, which
+    may be another process (picklable). The scheduler half calls `deliver(connector)`; an agent
+    it leaves in `connector.agents` (name -> object) is asked for `outbox()` each step (its
+    messages reach the worker's hooks through `inbox(messages)` before that step's HEAD) and
+    `reset()` on vLLM's `reset_prefix_cache(reset_connector=True)`. Drivers (fault campaigns)
+    use it to plant scheduler bugs; the plugin itself sends none."""
+
+    def deliver(self, connector: Any) -> None:
+        """Act in the scheduler's process."""
+        ...
 
 
 @dataclass
@@ -187,6 +206,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.ledger = ParentLedger()
         self._forward_steps = 0
         self.violations_seen: Counter[str] = Counter()
+        self.agents: dict[str, Any] = {}  # scheduler-side driver agents (see DriverMessage)
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         self._block_size = int(groups[0].kv_cache_spec.block_size) if groups else 0
         STATE.connectors.append(weakref.ref(self))
@@ -213,6 +233,9 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         w = self.worker
         if w is None or getattr(forward_context, "attn_metadata", None) is None:
             return
+        meta = self._connector_metadata
+        if isinstance(meta, CanaryStepMeta) and meta.driver and hasattr(w.hooks, "inbox"):
+            w.hooks.inbox(meta.driver)
         self._raising(w.before_forward, getattr(forward_context, "slot_mapping", None))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -239,8 +262,14 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             fn(arg)
         except CanaryViolationError as exc:
+            from kvcanary.adapters.vllm.plugin import write_stop_note
+
             first = str(exc).splitlines()[0]
+            reqs = self.worker.running_requests() if self.worker is not None else []
+            if reqs:
+                first += "; vLLM request(s): " + ", ".join(reqs)
             logger.error("kv-canary: raise mode stops vLLM: %s", first)
+            write_stop_note(first)
             raise
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -251,9 +280,12 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's violation counts for the scheduler half."""
         w = self.worker
-        if w is None or not w.figures.violations:
+        if w is None:
             return None
-        return CanaryWorkerMeta(dict(w.figures.violations), w.figures.forwards)
+        driver = list(w.hooks.outbox()) if hasattr(w.hooks, "outbox") else []
+        if not w.figures.violations and not driver:
+            return None
+        return CanaryWorkerMeta(dict(w.figures.violations), w.figures.forwards, driver)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Deltas for /metrics and vLLM's log (None when nothing happened)."""
@@ -309,6 +341,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         meta = CanaryStepMeta()
         if not self.config.enabled:
             return meta
+        for agent in self.agents.values():
+            meta.driver.extend(agent.outbox())
         scheduler_output.has_sync_kv_loads = True
         if int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)) <= 0 or STATE.bypass:
             return meta  # no canary step this forward (no forward, or a bench's canary-off arm)
@@ -323,6 +357,15 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, CanaryWorkerMeta):
             self.violations_seen.update(meta.violations)
+            for message in meta.driver:
+                message.deliver(self)
+
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)`: reset the driver agents."""
+        for agent in self.agents.values():
+            agent.reset()
+        self.agents.clear()
+        return True
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip

@@ -29,7 +29,8 @@ EXTRA_KEYS = {
     "enable_v": "KVCANARY_ENABLE_V",
     "ring_capacity": "KVCANARY_RING_CAPACITY",
 }
-_ADAPTER_ENV = ("KVCANARY_MODE", "KVCANARY_REAL_DATA", "KVCANARY_SWEEP_INTERVAL")
+_ADAPTER_ENV = ("KVCANARY_MODE", "KVCANARY_REAL_DATA", "KVCANARY_SWEEP_INTERVAL",
+                "KVCANARY_VLLM_STOP_NOTE")  # fmt: skip
 
 
 def _text(value: Any) -> str:

@@ -8,6 +8,12 @@ tests/adapters/test_vllm_hooks.py):
   before vLLM builds its config, add the `KVCanaryConnector` kv-transfer config (or wrap a user's
   own connector and the canary in a `MultiConnector`). vLLM has no hook for a plugin to add a
   connector.
+- `vllm.v1.engine.exceptions.EngineDeadError.__init__` (vllm/v1/engine/exceptions.py), always:
+  vLLM answers every in-flight request of a dead engine core with one fixed message ("EngineCore
+  encountered an issue. See stack trace (above) ..."), in the API-server process, apart from the
+  worker where raise mode stopped it. The wrapper puts the violation's first line (the worker
+  writes it to the `STOP_NOTE_ENV` file, a name the first vLLM process picks and its children
+  inherit) in front of that message, so clients see which kv-canary violation stopped vLLM.
 - `vllm.triton_utils.dispatcher._rebind_kernels`, always: `kvcanary.canary` imports numba
   (llvmlite); vLLM 0.32's `register_triton_kernel_overrides` (run in `init_worker`) scans every
   module namespace and crashes on llvmlite's `ffi.lib` (`AttributeError: '_lib_fn_wrapper' object
@@ -16,15 +22,27 @@ tests/adapters/test_vllm_hooks.py):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["CONNECTOR_CONFIG", "apply_patches", "canary_transfer_config", "register_from_env"]
+__all__ = [
+    "CONNECTOR_CONFIG",
+    "STOP_NOTE_ENV",
+    "apply_patches",
+    "canary_transfer_config",
+    "register_from_env",
+    "write_stop_note",
+]
+
+#: the file raise mode writes its violation's first line to (set once, inherited by children)
+STOP_NOTE_ENV = "KVCANARY_VLLM_STOP_NOTE"
 
 logger = logging.getLogger("kvcanary")
 
@@ -105,11 +123,62 @@ def _add_connector(orig: Callable[..., Any]) -> Callable[..., Any]:
     return create_engine_config
 
 
+def write_stop_note(line: str) -> None:
+    """Raise mode, in the worker: leave the violation's first line for the API server."""
+    path = os.environ.get(STOP_NOTE_ENV)
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(line.splitlines()[0] if line else "")
+
+
+def _stop_note() -> str:
+    path = os.environ.get(STOP_NOTE_ENV)
+    if not path:
+        return ""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _name_the_violation(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kw: Any) -> None:
+        orig(self, *args, **kw)
+        note = _stop_note()
+        if note and self.args:
+            self.args = (f"kv-canary: raise mode stopped vLLM: {note} ({self.args[0]})",
+                         *self.args[1:])  # fmt: skip
+
+    return __init__
+
+
+def _pick_stop_note() -> None:
+    """The first vLLM process names the note file; its children (engine core, workers) inherit
+    the name. The file exists only once raise mode stopped vLLM; the namer removes it at exit."""
+    if os.environ.get(STOP_NOTE_ENV):
+        return
+    path = os.path.join(tempfile.gettempdir(), f"kvcanary-vllm-stop-{os.getpid()}.txt")
+    with contextlib.suppress(OSError):
+        os.unlink(path)  # a stale note of an earlier process with this pid
+    os.environ[STOP_NOTE_ENV] = path
+    atexit.register(_remove, path)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 def apply_patches(shortcut: bool) -> None:
-    """The scan fix always; the connector shortcut when `shortcut`."""
+    """The scan fix and the client-facing stop message always; the connector shortcut when
+    `shortcut`."""
     from vllm.triton_utils import dispatcher
+    from vllm.v1.engine import exceptions
 
     _wrap(dispatcher, "_rebind_kernels", _scan_safe_rebind)
+    _pick_stop_note()
+    _wrap(exceptions.EngineDeadError, "__init__", _name_the_violation)
     if shortcut:
         from vllm.engine.arg_utils import EngineArgs
 

@@ -101,6 +101,7 @@ class CanaryWorker:
         self.chunked_prefill_rows = 0
         self._waves: list[ForwardView] = []
         self._last_checks = 0
+        self._dropped_seen: Counter[tuple[str, str]] = Counter()
         self.last_request_ids: list[str] = []
 
     # ------------------------------------------------------------------ install
@@ -174,6 +175,18 @@ class CanaryWorker:
             else "-",
         )  # fmt: skip
         return canary
+
+    def attach_hooks(self, hooks: Any) -> None:
+        """Use `hooks` (a driver's fault injector: canary `PerturbHooks` and/or `RunnerHooks`)
+        from the next forward on; a driver reaches the worker's process only after install
+        (vLLM's `collective_rpc`, `kvcanary.app.vllm.rpc`)."""
+        self.hooks = hooks
+        if hooks is not None and hasattr(hooks, "runner"):
+            hooks.runner = self.runner
+        if hooks is not None and hasattr(hooks, "walker"):
+            hooks.walker = self.walker  # the scheduler's snapshot of this step (sweep steps)
+        if self.canary is not None:
+            self.canary.set_perturber(hooks if hasattr(hooks, "before_plan") else None)
 
     # ------------------------------------------------------------------ per forward
     def before_forward(self, slot_mapping: Any) -> None:
@@ -269,27 +282,39 @@ class CanaryWorker:
 
     # ------------------------------------------------------------------ figures
     def _collect(self) -> None:
-        """Move new violations out of the canary's ring (it never fills), count them, and name
-        the vLLM requests whose slots they hit."""
+        """Move new violations out of the canary's ring, count them (rows the full ring dropped
+        too, by tag and reason, so the metrics never stall), and log at most one line for the
+        step naming the vLLM requests whose slots they hit."""
         canary = self.canary
         assert canary is not None
         checks = sum(canary.slot_run_counter.values())
         self.figures.checks += checks - self._last_checks
         self._last_checks = checks
         new = canary.drain_violations()
-        if not new:
+        dropped = canary.ring.dropped_totals
+        beyond = {k: n - self._dropped_seen.get(k, 0) for k, n in dropped.items()
+                  if n != self._dropped_seen.get(k, 0)}  # fmt: skip
+        if not new and not beyond:
             return
         from kvcanary.contract import fail_reason_labels, tag_name
 
         for v in new:
             for reason in fail_reason_labels(v.fail_reason_bits) or ["none"]:
                 self.figures.violations[f"{tag_name(v.kernel_kind)}|{reason}"] += 1
+        for (tag, reason), n in beyond.items():
+            self.figures.violations[f"{tag}|{reason}"] += n
+        self._dropped_seen = Counter(dropped)
         self.kept.extend(new)
         if len(self.kept) > KEPT_VIOLATIONS:
             del self.kept[: len(self.kept) - KEPT_VIOLATIONS]
         reqs = self._requests_of({v.slot_idx for v in new})
-        logger.warning("kv-canary: step %d: %d violation(s); vLLM request(s): %s",
-                       canary.step - 1, len(new), ", ".join(reqs) if reqs else "none running")  # fmt: skip
+        extra = ""
+        if beyond:
+            counts = ", ".join(f"{t}/{r}={n}" for (t, r), n in sorted(beyond.items()))
+            extra = f" (+ beyond the full ring, by tag/reason: {counts})"
+        logger.warning("kv-canary: step %d: %d violation(s)%s; vLLM request(s): %s",
+                       canary.step - 1, len(new), extra,
+                       ", ".join(reqs) if reqs else "unknown")  # fmt: skip
 
     def _requests_of(self, slots: set[int]) -> list[str]:
         """Running requests of the last forward whose block table covers one of `slots`."""
@@ -302,6 +327,10 @@ class CanaryWorker:
             if i < ib.num_reqs and blocks.intersection(bt.block_table.np[i].tolist()):
                 out.append(str(rid))
         return out
+
+    def running_requests(self) -> list[str]:
+        """The vLLM request ids of the forward the canary checked last."""
+        return [str(r) for r in self.last_request_ids]
 
     def take_figures(self) -> StepFigures:
         """The figures since the previous call (then reset)."""

@@ -1,6 +1,7 @@
 """The vLLM fault campaign: on each seed a clean run, then each fault armed once, on one engine.
 
-Runs on one engine are made independent by dropping vLLM's prefix cache before each run (a
+The faults are armed and read back through `collective_rpc` wherever vLLM runs the canary (its
+default multiprocess engine core included). Runs on one engine are made independent by dropping vLLM's prefix cache before each run (a
 corrupted block is then never read again before it is rewritten). A fault that never found a
 target counts as missed, not as skipped.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from kvcanary.app.selftest.campaign import CaseOutcome, NameSummary
 from kvcanary.app.selftest.correlate import Fault, correlate
 from kvcanary.app.vllm.engine import VllmEngine
-from kvcanary.app.vllm.faults import VLLM_FAULT_MODES, VllmFaultInjector
+from kvcanary.app.vllm.faults import VLLM_FAULT_MODES
 from kvcanary.app.vllm.workload import VllmRequest, VllmWorkload
 
 __all__ = ["VLLM_EXPECTED_REASONS", "VllmCampaignSpec", "replay_command", "run_vllm_campaign"]
@@ -59,11 +60,10 @@ def replay_command(name: str, seed: int) -> str:
 
 def run_vllm_campaign(
     engine: VllmEngine,
-    injector: VllmFaultInjector,
     spec: VllmCampaignSpec,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[list[CaseOutcome], list[NameSummary]]:
-    """Clean baseline and every armed fault on every seed (the engine's hooks are `injector`)."""
+    """Clean baseline and every armed fault on every seed (`engine` built with `faults=True`)."""
     seeds = range(spec.first_seed, spec.first_seed + spec.seeds)
     per_mode: dict[str, list[CaseOutcome]] = {m: [] for m in spec.modes}
     baseline = []
@@ -71,11 +71,11 @@ def run_vllm_campaign(
         workload = VllmWorkload(
             num_requests=spec.requests, seed=seed, max_tokens=spec.max_tokens
         ).requests()
-        baseline.append(_case(engine, injector, spec, workload, seed, None))
+        baseline.append(_case(engine, spec, workload, seed, None))
         if progress:
             progress(f"clean seed {seed}")
         for mode in spec.modes:
-            per_mode[mode].append(_case(engine, injector, spec, workload, seed, mode))
+            per_mode[mode].append(_case(engine, spec, workload, seed, mode))
             if progress:
                 progress(f"{mode} seed {seed}")
     summaries = [
@@ -86,25 +86,21 @@ def run_vllm_campaign(
 
 def _case(
     engine: VllmEngine,
-    injector: VllmFaultInjector,
     spec: VllmCampaignSpec,
     workload: Sequence[VllmRequest],
     seed: int,
     mode: str | None,
 ) -> CaseOutcome:
     engine.reset_prefix_cache()
-    canary = engine.canary
-    assert canary is not None
     faults: list[Fault] = []
     if mode is not None:
         offset = random.Random(f"{mode}:{seed}").randrange(spec.warmup_steps)
-        injector.arm(mode, seed=seed, first_step=canary.step + spec.warmup_steps + offset)
+        engine.arm(mode, seed=seed, steps_ahead=spec.warmup_steps + offset)
     try:
         run = engine.run(workload, seed=seed)
     finally:
         if mode is not None:
-            injector.disarm()
-            faults = injector.faults(sweep_interval=spec.sweep_interval)
+            faults = engine.disarm(sweep_interval=spec.sweep_interval)
     if len(run.violations) != run.figures["violations"]:
         raise RuntimeError(
             f"kv-canary: ring dropped rows ({len(run.violations)} kept of "

@@ -1,9 +1,10 @@
 """One vLLM `LLM` with the canary attached as its KV connector (`KVCanaryConnector`).
 
 The engine core runs where vLLM's `VLLM_ENABLE_V1_MULTIPROCESSING` says (vLLM's default: a child
-process). Figures come from vLLM's own Prometheus counters, the canary's `kvcanary_*` included,
-so they are the same in both layouts; with the in-process engine core (`=0`) the run also returns
-the violations themselves (slots, reasons) for 1:1 fault correlation.
+process). Figures come from vLLM's own Prometheus counters, the canary's `kvcanary_*` included;
+the violations themselves (slots, reasons, for 1:1 fault correlation) and fault arming reach the
+canary through `collective_rpc` (`kvcanary.app.vllm.rpc`), so every process layout (in-process,
+multiprocess, one worker per tensor-parallel rank) behaves the same.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcanary.adapters.vllm.state import STATE
+from kvcanary.app.selftest.correlate import Fault
+from kvcanary.app.vllm.rpc import RPC_EXTENSION, fault_from_wire, violation_from_wire
 from kvcanary.app.vllm.workload import VllmRequest
-from kvcanary.canary import Canary, CanaryConfig
+from kvcanary.canary import CanaryConfig
 from kvcanary.contract import Violation, fail_reason_labels
 
 __all__ = ["VllmEngine", "VllmRun", "VllmSettings", "canary_env"]
@@ -37,6 +39,7 @@ class VllmSettings:
     max_model_len: int = 512
     dtype: str = "auto"
     seed: int = 0
+    tensor_parallel_size: int = 1
 
 
 def canary_env(config: CanaryConfig) -> dict[str, str]:
@@ -63,7 +66,10 @@ class VllmRun:
     figures: dict[str, Any]
     violations: tuple[Violation, ...] = field(repr=False)
     outputs: tuple[tuple[int, ...], ...] = field(repr=False)
-    start_step: int = 0
+
+
+#: running per-rank counters `drain` sums (`recorded`: every violation, dropped details included)
+_RANK_COUNTERS = ("canary_seconds", "split_forwards", "chunked_prefill_rows", "recorded")
 
 
 def _metric_totals(llm: Any) -> Counter[str]:
@@ -72,9 +78,9 @@ def _metric_totals(llm: Any) -> Counter[str]:
     from prometheus_client import REGISTRY
 
     totals: Counter[str] = Counter()
-    for m in llm.get_metrics():  # vLLM's own (`vllm:*`)
+    for m in llm.get_metrics():  # vLLM's own (`vllm:*`; it lists the connector's too)
         value = getattr(m, "value", None)
-        if isinstance(value, int | float):
+        if isinstance(value, int | float) and not m.name.startswith("kvcanary_"):
             totals[m.name] += value
     for family in REGISTRY.collect():  # the connector's, registered by vLLM's stat logger
         if not family.name.startswith("kvcanary_"):
@@ -91,17 +97,19 @@ def _metric_totals(llm: Any) -> Counter[str]:
 class VllmEngine:
     """A vLLM `LLM` on CPU with `KVCanaryConnector` as its KV connector."""
 
-    def __init__(self, settings: VllmSettings, env: Mapping[str, str], hooks: Any = None) -> None:
+    def __init__(self, settings: VllmSettings, env: Mapping[str, str],
+                 faults: bool = False) -> None:  # fmt: skip
+        """Build the engine with the canary's `env`; `faults`: give the canary (in whatever
+        process vLLM runs it) a `VllmFaultInjector`, armed through `arm` / `disarm`."""
         os.environ.update(env)
-        STATE.hooks = hooks
         from vllm import LLM
 
         from kvcanary.adapters.vllm.plugin import CONNECTOR_CONFIG
 
         self.settings = settings
         self.in_process = in_process()
-        mode = env.get("KVCANARY_MODE", "none")
-        transfer = dict(CONNECTOR_CONFIG) if mode != "none" else None
+        self.canary_on = env.get("KVCANARY_MODE", "none") != "none"
+        transfer = dict(CONNECTOR_CONFIG) if self.canary_on else None
         self.llm = LLM(
             model=str(settings.model), skip_tokenizer_init=True, dtype=settings.dtype,
             block_size=settings.block_size, enable_prefix_caching=True,
@@ -110,24 +118,50 @@ class VllmEngine:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             num_gpu_blocks_override=settings.kv_blocks, enforce_eager=True,
             gpu_memory_utilization=0.3, seed=settings.seed, disable_log_stats=False,
-            kv_transfer_config=transfer,
+            kv_transfer_config=transfer, worker_extension_cls=RPC_EXTENSION,
+            tensor_parallel_size=settings.tensor_parallel_size,
         )  # fmt: skip
-        self.worker = None
-        if self.in_process and mode != "none":
-            workers = [c.worker for c in STATE.live_connectors() if c.worker is not None]
-            if not workers:
-                raise RuntimeError("kv-canary: the vLLM connector did not install a canary "
-                                   "(see the log)")  # fmt: skip
-            self.worker = workers[-1]
+        #: the dtype vLLM chose (`auto` resolved)
+        self.dtype = str(self.llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
+        self.ranks = 0
+        if self.canary_on:
+            self.ranks = len(self._rpc("kvcanary_drain"))  # raises when a rank has no canary
+        if faults:
+            self._rpc("kvcanary_attach_injector")
 
-    @property
-    def canary(self) -> Canary | None:
-        """The canary (in-process engine core only)."""
-        return self.worker.canary if self.worker is not None else None
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        """`method` of `kvcanary.app.vllm.rpc.CanaryRpc` on every rank (one result per rank)."""
+        return list(self.llm.collective_rpc(method, args=args))
+
+    def arm(self, mode: str, *, seed: int, steps_ahead: int) -> None:
+        """Arm fault `mode` on every rank, to fire `steps_ahead` canary steps from now."""
+        self._rpc("kvcanary_arm", mode, seed, steps_ahead)
+
+    def disarm(self, *, sweep_interval: int) -> list[Fault]:
+        """Stop injecting; the faults every rank injected in the run."""
+        return [fault_from_wire(d) for rank in self._rpc("kvcanary_disarm", sweep_interval)
+                for d in rank]  # fmt: skip
+
+    def drain(self) -> tuple[list[Violation], Counter[str], list[int]]:
+        """The union of every rank's violations since the previous drain, the ranks' summed
+        running counters (`canary_seconds`, `split_forwards`, `chunked_prefill_rows`,
+        `recorded`) and each rank's own running `recorded` count."""
+        found: list[Violation] = []
+        totals: Counter[str] = Counter()
+        per_rank: list[int] = []
+        if not self.canary_on:
+            return found, totals, per_rank
+        for rank in self._rpc("kvcanary_drain"):
+            found.extend(violation_from_wire(d) for d in rank["violations"])
+            for key in _RANK_COUNTERS:
+                totals[key] += rank[key]
+            per_rank.append(int(rank["recorded"]))
+        return found, totals, per_rank
 
     def reset_prefix_cache(self) -> None:
-        """Drop vLLM's prefix cache (between independent runs on one engine)."""
-        if not self.llm.reset_prefix_cache():
+        """Drop vLLM's prefix cache (between independent runs on one engine) and the connector's
+        scheduler-side state (a planted fault)."""
+        if not self.llm.reset_prefix_cache(reset_connector=True):
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
 
     def run(self, requests: Sequence[VllmRequest], *, seed: int, progress: bool = False) -> VllmRun:
@@ -135,13 +169,8 @@ class VllmEngine:
         (`progress`: vLLM's own progress bar on stderr)."""
         from vllm import SamplingParams
 
-        w = self.worker
-        c = self.canary
-        step0 = c.step if c is not None else 0
+        _, counters0, ranks0 = self.drain()
         before = _metric_totals(self.llm)
-        if w is not None:
-            w.drain_violations()
-            seconds0, split0, chunk0 = w.canary_seconds, w.split_forwards, w.chunked_prefill_rows
         prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
         params = [
             SamplingParams(
@@ -154,14 +183,11 @@ class VllmEngine:
         wall = time.perf_counter() - start
         after = _metric_totals(self.llm)
         d = {k: after[k] - before[k] for k in after}
-        violations = tuple(w.drain_violations()) if w is not None else ()
-        if w is not None:
-            by_reason: Counter[str] = Counter(
-                lab for v in violations for lab in fail_reason_labels(v.fail_reason_bits)
-            )
-        else:
-            by_reason = Counter({k.split(":", 1)[1]: int(v) for k, v in d.items()
-                                 if k.startswith("kvcanary_violations:") and v})  # fmt: skip
+        found, counters, ranks = self.drain()
+        violations = tuple(found)
+        by_reason: Counter[str] = Counter(
+            lab for v in violations for lab in fail_reason_labels(v.fail_reason_bits)
+        )
         figures: dict[str, Any] = {
             "engine": "vllm",
             "requests_finished": sum(o.finished for o in outs),
@@ -170,8 +196,8 @@ class VllmEngine:
             "forward_steps": int(d.get("kvcanary_forwards", 0)),
             "protected_slot_checks": int(d.get("kvcanary_checks", 0)),
             "sweep_passes": int(d.get("kvcanary_sweeps", 0)),
-            "violations": len(violations) if w is not None else int(
-                d.get("kvcanary_violations", 0)),
+            # every violation the canaries recorded (the details only what their rings kept)
+            "violations": int(counters["recorded"] - counters0["recorded"]),
             "violations_by_reason": dict(sorted(by_reason.items())),
             "retractions": int(d.get("vllm:num_preemptions", 0)),
             "radix_hit_tokens": int(d.get("vllm:prefix_cache_hits", 0)),
@@ -180,15 +206,21 @@ class VllmEngine:
             "wall_seconds": round(wall, 3),
             "canary_mode": self.mode,
             "engine_core": "in-process" if self.in_process else "multiprocess",
-            "dtype": self.settings.dtype,
+            "dtype": self.dtype,
+            "tensor_parallel_size": self.settings.tensor_parallel_size,
             "seed": seed,
         }
-        if w is not None:
-            figures["chunked_prefill_rows"] = w.chunked_prefill_rows - chunk0
-            figures["split_forwards"] = w.split_forwards - split0
-            figures["canary_seconds"] = round(w.canary_seconds - seconds0, 3)
+        if self.canary_on:
+            figures["chunked_prefill_rows"] = int(counters["chunked_prefill_rows"]
+                                                  - counters0["chunked_prefill_rows"])
+            figures["split_forwards"] = int(counters["split_forwards"]
+                                            - counters0["split_forwards"])
+            figures["canary_seconds"] = round(counters["canary_seconds"]
+                                              - counters0["canary_seconds"], 3)  # fmt: skip
+            # each tensor-parallel rank checks its own KV shard; "violations" is their union
+            figures["violations_per_rank"] = [b - a for a, b in zip(ranks0, ranks, strict=True)]
         outputs = tuple(tuple(o.outputs[0].token_ids) for o in outs)
-        return VllmRun(figures, violations, outputs, start_step=step0)
+        return VllmRun(figures, violations, outputs)
 
     @property
     def mode(self) -> str:

@@ -8,10 +8,14 @@
 - `kv_flip_used`: one bit of layer-0 V (inside the bytes the canary folds) of a token in the
   computed prefix of a request scheduled in this forward.
 - `kv_flip_cached`: the same in a block of vLLM's prefix cache that no request holds
-  (`ref_cnt == 0`), just before a sweep.
-- `stale_prefix_hit` (a planted vLLM bug, monkeypatched into `BlockPool`): eviction forgets to
-  drop the block's hash, so a later lookup of that hash returns the block after it was handed
+  (`ref_cnt == 0` in the scheduler's snapshot the sweep walks), just before that sweep.
+- `stale_prefix_hit` (a planted vLLM bug in the scheduler's `BlockPool`,
+  `kvcanary.app.vllm.stale_plant`, reached through the connector's metadata): eviction forgets
+  to drop the block's hash, so a later lookup of that hash returns the block after it was handed
   out and re-filled with another sequence. The firing counts once a forward reads the block.
+
+The injector lives in the worker's process, beside the canary (`kvcanary.app.vllm.rpc` attaches
+it and arms it from the driver), so it works in every vLLM process layout.
 
 One firing per armed run, at or after `first_step`; draws come from `random.Random(seed)`.
 """
@@ -19,7 +23,6 @@ One firing per armed run, at or after `first_step`; draws come from `random.Rand
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +31,14 @@ import numpy.typing as npt
 import torch
 
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
+from kvcanary.adapters.vllm.sweep import SnapshotWalker
 from kvcanary.app.selftest.correlate import Fault
+from kvcanary.app.vllm.stale_plant import (
+    ArmStalePlant,
+    ReleaseGhost,
+    StalePending,
+    StopStalePlant,
+)
 from kvcanary.canary import PerturbRecord
 from kvcanary.canary.perturb_seam import CanaryState
 from kvcanary.contract import ForwardView
@@ -48,19 +58,21 @@ class _Armed:
 
 
 class VllmFaultInjector:
-    """Canary perturber (`PerturbHooks` + `BindsCanary`) and adapter `RunnerHooks` in one: set as
-    `STATE.hooks` before the engine is built, then `arm` / `disarm` around each run."""
+    """Canary perturber (`PerturbHooks` + `BindsCanary`) and adapter `RunnerHooks` in one,
+    attached to the worker's canary (`CanaryWorker.attach_hooks`), then `arm` / `disarm` around
+    each run. `outbox` / `inbox` carry the `stale_prefix_hit` plant's messages to and from the
+    scheduler's process (the connector's `DriverMessage` channel)."""
 
     def __init__(self) -> None:
         self.canary: CanaryState | None = None
         self.runner: Any = None
+        self.walker: SnapshotWalker | None = None
         self.records: list[PerturbRecord] = []
         self._armed: _Armed | None = None
         self._restore: tuple[int, int, int] | None = None
-        self._unpatch: Callable[[], None] | None = None
         self._pending: dict[int, tuple[int, int]] = {}  # ghost block id -> (index, block size)
-        self._ghost_key: Any = None  # the one stale hash this run's plant answers
         self._written: npt.NDArray[np.int64] | None = None  # slot -> (token, position) fed
+        self._out: list[Any] = []  # messages for the scheduler's process
 
     # ------------------------------------------------------------------ run control
     def arm(self, mode: str, *, seed: int, first_step: int) -> None:
@@ -72,15 +84,27 @@ class VllmFaultInjector:
         self.records = []
         self._armed = _Armed(mode, seed, first_step, random.Random(seed))
         if mode == "stale_prefix_hit":
-            self._unpatch = _plant_stale_prefix_hit(self)
+            now = self.canary.step if self.canary is not None else 0
+            self._out.append(ArmStalePlant(steps_ahead=max(0, first_step - now)))
 
     def disarm(self) -> list[PerturbRecord]:
-        """Stop injecting (and unpatch the planted bug); the run's journal."""
-        if self._unpatch is not None:
-            self._unpatch()
-            self._unpatch = None
-        self._armed, self._pending, self._ghost_key = None, {}, None
+        """Stop injecting (the plant goes with the next message or prefix-cache reset); the
+        run's journal."""
+        if self._armed is not None and self._armed.mode == "stale_prefix_hit":
+            self._out.append(StopStalePlant())
+        self._armed, self._pending = None, {}
         return list(self.records)
+
+    def outbox(self) -> list[Any]:
+        """Messages for the scheduler's process (taken once per step by the connector)."""
+        out, self._out = self._out, []
+        return out
+
+    def inbox(self, messages: list[Any]) -> None:
+        """The scheduler's messages for this step (before its HEAD)."""
+        for m in messages:
+            if isinstance(m, StalePending) and self._armed is not None:
+                self._pending[m.block] = (m.index, m.size)
 
     def injections(self) -> list[PerturbRecord]:
         """The journal of the current run."""
@@ -127,24 +151,18 @@ class VllmFaultInjector:
     def at_end_step(self, *, step: int, sweep_due: bool) -> None:
         """`kv_flip_cached`: just before a sweep, in a cached block nobody holds."""
         a = self._due("kv_flip_cached", step)
-        pool = STATE.pools[-1]() if STATE.pools else None
-        if a is None or not sweep_due or pool is None or self.runner is None:
+        snap = self.walker.snapshot if self.walker is not None else None
+        if a is None or not sweep_due or snap is None or self.runner is None:
             return
-        entries = STATE.ledger.entries
-        idle = [
-            b for b in pool.blocks
-            if b.block_hash is not None and b.ref_cnt == 0 and not b.is_null
-            and b.block_id in entries and entries[b.block_id].block_hash == b.block_hash
-        ]  # fmt: skip
-        if not idle:
+        idle = snap.rows[snap.rows[:, 3] == 0]  # (block, index, parent, held): nobody holds it
+        if not len(idle):
             return
-        blk = a.rng.choice(idle)
-        size = int(self.runner.input_batch.block_table[0].block_size)
+        block, index = (int(x) for x in idle[a.rng.randrange(len(idle))][:2])
+        size = snap.block_size
         t = a.rng.randrange(size)
-        slot = blk.block_id * size + t
+        slot = block * size + t
         byte = self._flip(slot, a.rng)
-        self._record(a, step, slot, entries[blk.block_id].index * size + t, byte=byte,
-                     block=blk.block_id)  # fmt: skip
+        self._record(a, step, slot, index * size + t, byte=byte, block=block)
 
     def maybe_swap_next_tokens(self, *, tokens: list[int], step: int) -> list[int]:
         """No token swaps against vLLM."""
@@ -230,11 +248,13 @@ class VllmFaultInjector:
                 if np.array_equal(held[:, 0], want_tok) and np.array_equal(held[:, 1], want_pos):
                     # the block still holds exactly what the reader needs: harmless, re-arm
                     del self._pending[block]
-                    self._ghost_key = None
+                    self._out.append(ReleaseGhost())
                     continue
                 slots = [block * b + t for t in range(b)]
                 self._record(a, step, slots[0], index * b, block=block, index=index,
                              slots=slots, block_size=b, req_row=row)  # fmt: skip
+                self._pending = {}
+                self._out.append(StopStalePlant())
                 return
 
     def faults(self, *, sweep_interval: int) -> list[Fault]:
@@ -254,73 +274,9 @@ class VllmFaultInjector:
         return out
 
 
-def _plant_stale_prefix_hit(injector: VllmFaultInjector) -> Callable[[], None]:
-    """Monkeypatch `BlockPool` with the planted bug; returns the function that removes it.
-
-    Ground truth for "the stale block now holds something else" comes from vLLM's scheduler:
-    the token ids and sequence index each block was last cached with (`cache_full_blocks`).
-    The plant answers a lookup only when those differ from what the evicted hash stood for.
-    """
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
-    saved = {n: BlockPool.__dict__[n] for n in
-             ("_maybe_evict_cached_block", "get_cached_block", "cache_full_blocks")}  # fmt: skip
-    content: dict[int, tuple[int, tuple[int, ...]]] = {}  # block id -> (index, token ids)
-    ghosts: dict[Any, tuple[Any, int, tuple[int, ...]]] = {}  # evicted hash -> block, what
-
-    def cache_full_blocks(
-        self: Any, request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int,
-        block_size: int, *args: Any, **kw: Any,
-    ) -> Any:  # fmt: skip
-        out = saved["cache_full_blocks"](self, request, blocks, num_cached_blocks,
-                                         num_full_blocks, block_size, *args, **kw)  # fmt: skip
-        tokens, size = request.all_token_ids, block_size
-        for i in range(num_cached_blocks, num_full_blocks):
-            if not blocks[i].is_null:
-                content[blocks[i].block_id] = (i, tuple(tokens[i * size : (i + 1) * size]))
-        return out
-
-    def _maybe_evict_cached_block(self: Any, block: Any) -> bool:
-        key, held = block.block_hash, content.get(block.block_id)
-        evicted: bool = saved["_maybe_evict_cached_block"](self, block)
-        if evicted and key is not None and held is not None:
-            ghosts[key] = (block, *held)  # the bug: the hash still points at the block
-        return evicted
-
-    def get_cached_block(self: Any, block_hash: Any, group_ids: list[int]) -> Any:
-        found = saved["get_cached_block"](self, block_hash, group_ids)
-        a, canary = injector._armed, injector.canary
-        if found is not None or a is None or a.fired or canary is None:
-            return found
-        key = make_block_hash_with_group_id(block_hash, group_ids[0])
-        ghost = ghosts.get(key)
-        if ghost is None or canary.step < a.first_step or injector._ghost_key not in (None, key):
-            return found
-        block, index, tokens = ghost
-        now = content.get(block.block_id)
-        # harmless while the block holds, or is being filled with, the same tokens at the same
-        # index (e.g. it was handed to a request with the same prefix): no firing then
-        if block.block_hash is None or now is None or now == (index, tokens):
-            return found
-        injector._pending[block.block_id] = (index, len(tokens))
-        injector._ghost_key = key
-        return [block]
-
-    BlockPool.cache_full_blocks = cache_full_blocks
-    BlockPool._maybe_evict_cached_block = _maybe_evict_cached_block
-    BlockPool.get_cached_block = get_cached_block
-
-    def unpatch() -> None:
-        for name, fn in saved.items():
-            setattr(BlockPool, name, fn)
-
-    return unpatch
-
-
 def install_prepare_inputs_hook() -> None:
     """Driver-only patch of `GPUModelRunner._prepare_inputs` (vllm/v1/worker/gpu_model_runner.py):
-    `STATE.hooks.before_prepare_inputs` runs first, while the persistent batch is up to date and
+    the runner's canary hooks' `before_prepare_inputs` runs first, while the persistent batch is up to date and
     its block table is not yet copied to the kernels' buffers (`block_table_swap` needs that
     moment; the KV-connector API has no hook there). The plugin never installs it."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -330,10 +286,10 @@ def install_prepare_inputs_hook() -> None:
         return
 
     def _prepare_inputs(self: Any, *args: Any, **kw: Any) -> Any:
-        hooks = STATE.hooks
-        workers = [c.worker for c in STATE.live_connectors() if c.worker is not None]
-        if isinstance(hooks, RunnerHooks) and workers and workers[-1].canary is not None:
-            hooks.before_prepare_inputs(runner=self, step=workers[-1].canary.step)
+        workers = [c.worker for c in STATE.live_connectors() if c.worker is not None
+                   and c.worker.runner is self and c.worker.canary is not None]  # fmt: skip
+        if workers and isinstance(workers[-1].hooks, RunnerHooks):
+            workers[-1].hooks.before_prepare_inputs(runner=self, step=workers[-1].canary.step)
         return original(self, *args, **kw)
 
     _prepare_inputs.__kvcanary_wrapped__ = True  # type: ignore[attr-defined]

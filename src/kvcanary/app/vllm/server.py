@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -69,6 +70,7 @@ class VllmServer:
             "--num-gpu-blocks-override", str(s.kv_blocks), "--enforce-eager",
             "--gpu-memory-utilization", "0.3", "--seed", str(s.seed),
             "--kv-transfer-config", json.dumps(transfer),
+            "--tensor-parallel-size", str(s.tensor_parallel_size),
         ]  # fmt: skip
 
     def start(self, timeout: float = 300.0) -> None:
@@ -103,6 +105,13 @@ class VllmServer:
         if self.log_path is None or not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def chosen_dtype(self) -> str:
+        """The KV dtype vLLM chose (`--dtype auto` resolved), from the canary's install line in
+        the server log ("" before it appears)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path else ""
+        found = re.search(r"kv-canary: installed on vLLM \(.* torch\.(\w+) isa=", text)
+        return found.group(1) if found else ""
 
     def alive(self) -> bool:
         """The server process is still running."""
