@@ -17,7 +17,9 @@ thermal, allocator) hits both settings alike. A short warm-up session first JIT-
 canary kernels. Per setting this prints the median step time (and the canary's own time inside
 the `log` steps, from the hooks' timer), the overhead ratios `(log - none) / none` of the
 medians with their targets (decode <= 10 %, prefill <= 5 % on this CPU) marked PASS/MISS, and
-the paired-step median ratio as a cross-check.
+the paired-step median ratio as a cross-check; and issue 13's targets: the canary's own time
+(median) <= 1 % of the `none` step (median), and that share within 1.5x of the canary's byte
+share of the attention's KV bytes (below).
 
 Bytes: per step the canary touches, estimated from `canary.slot_run_counter` deltas (verify
 entries V and writes W per stage; a stage's counter adds V + W):
@@ -53,6 +55,8 @@ from kvcanary.engine.plan import ForwardKind, StepPlan
 
 VOCAB = 256
 TARGETS = {"decode": 0.10, "prefill": 0.05}
+SHARE_TARGET = 0.01  # canary's own time <= 1 % of the step (issue 13)
+BYTE_RATIO_TARGET = 1.5  # ... and within 1.5x of its byte share of the attention's KV bytes
 RECORD_BYTES = 32
 PARTIAL_BYTES = 16
 
@@ -301,7 +305,7 @@ def phase_figures(
     overhead = (log_med - none_med) / none_med if none_med else 0.0
     canary_bytes = statistics.fmean(s.canary_bytes for s in log) if log else 0.0
     kv_bytes = statistics.fmean(s.kv_read_bytes for s in log) if log else 0.0
-    return {
+    out: dict[str, Any] = {
         "steps": n,
         "tokens_per_step_median": median([float(s.tokens) for s in log]),
         "none_ms_median": round(1000 * none_med, 3),
@@ -309,7 +313,7 @@ def phase_figures(
         "log_canary_ms_median": round(1000 * canary_med, 3),
         "overhead": round(overhead, 4),
         "overhead_paired_median": round(paired, 4),
-        "canary_time_share": round(canary_med / none_med, 4) if none_med else 0.0,
+        "canary_time_share": round(canary_med / none_med, 5) if none_med else 0.0,
         "target": TARGETS[phase],
         "verdict": "PASS" if overhead <= TARGETS[phase] else "MISS",
         "verdict_paired": "PASS" if paired <= TARGETS[phase] else "MISS",
@@ -321,6 +325,11 @@ def phase_figures(
         "attention_kv_bytes_per_step": round(kv_bytes),
         "canary_to_kv_bytes": round(canary_bytes / kv_bytes, 5) if kv_bytes else 0.0,
     }
+    share, byte_share = out["canary_time_share"], out["canary_to_kv_bytes"]
+    out["time_to_byte_share"] = round(share / byte_share, 3) if byte_share else 0.0
+    out["verdict_share"] = "PASS" if share <= SHARE_TARGET else "MISS"
+    out["verdict_byte_ratio"] = "PASS" if out["time_to_byte_share"] <= BYTE_RATIO_TARGET else "MISS"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,6 +425,12 @@ def print_figures(figures: dict[str, Any]) -> None:
             f"(verify entries {f['verify_entries_per_step']:,}, writes {f['writes_per_step']:,})"
             f"  vs attention KV bytes/step {f['attention_kv_bytes_per_step']:,}"
             f"  ratio {100 * f['canary_to_kv_bytes']:.3f} %"
+        )
+        print(
+            f"  canary's own time {100 * f['canary_time_share']:.2f} % of the step  target <= "
+            f"{100 * SHARE_TARGET:.0f} %  {f['verdict_share']}   time share / byte share "
+            f"{f['time_to_byte_share']:.2f}x  target <= {BYTE_RATIO_TARGET:.1f}x  "
+            f"{f['verdict_byte_ratio']}"
         )
 
 
