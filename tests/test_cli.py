@@ -133,6 +133,16 @@ BAD: list[tuple[list[str], dict[str, str], str, str]] = [
     (["selftest", "--seeds", str(10**9)], {}, "--seeds", "1000000000"),
     (["selftest", "--first-seed", "-1"], {}, "--first-seed", "got -1"),
     (["selftest", "--modes", "none", "--plants", "none"], {}, "--plants none", "nothing to test"),
+    # selftest applies KVCANARY_* as run does, so it checks them as run does
+    (["selftest", "--kv-canary", "recover"], {"KVCANARY_ENABLE_V": "maybe"}, "KVCANARY_ENABLE_V", "'maybe'"),
+    (["selftest"], {"KVCANARY_STATS_PRINT_EVERY_N_STEPS": "-5"}, "KVCANARY_STATS_PRINT_EVERY_N_STEPS", "-5"),
+    (["selftest"], {"KVCANARY_RING_CAPACITY": str(2**70)}, "KVCANARY_RING_CAPACITY", str(2**70)),
+    (["run"], {"KVCANARY_RING_CAPACITY": str(10**12)}, "KVCANARY_RING_CAPACITY", str(10**12)),
+    (["selftest", "--model", "tiny"], {"KVCANARY_ENABLE_WRITE_INPUT_ASSERT": "1"}, "--model oracle", "tiny"),
+    (["selftest", "--model", "tiny"], {"KVCANARY_ENABLE_TOKEN_ORACLE": "1"}, "--model oracle", "tiny"),
+    (["selftest", "--transfers"], {"KVCANARY_RING_CAPACITY": "64"}, "KVCANARY_RING_CAPACITY=64", "--transfers"),
+    (["selftest", "--transfers"], {"KVCANARY_RING_CAPACITY": "x"}, "KVCANARY_RING_CAPACITY", "'x'"),
+    (["selftest", "--transfers"], FAULT, "KVCANARY_PERTURB_LATE_WRITE_PROB", "is set"),
 ]  # fmt: skip
 SUBPROCESS = {0, 14, 58, 75, 84}  # a few through a real `python -m kvcanary.cli` process
 

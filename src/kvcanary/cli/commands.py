@@ -7,6 +7,7 @@ types) are reused by `cli/vllm.py`; a new command or flag adds a parameter and a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ from kvcanary.cli.errors import (
 from kvcanary.cli.validate import (
     MAX_SEED,
     canary_config,
+    canary_knobs,
     check_choice,
     check_reference_engine_env,
     check_run_sizes,
@@ -249,8 +251,9 @@ def run(
     compile_seconds = None
     if config.enabled and compile_cache.is_cold():  # before the bar: it would sit at 0
         err_console.print(f"kvcanary: compiling kernels, first run only, "
-                          f"~{compile_cache.COLD_START_SECONDS} s", markup=False, highlight=False)  # fmt: skip
+                          f"~{compile_cache.estimate_seconds()} s", markup=False, highlight=False)  # fmt: skip
         compile_seconds = round(warm_up_kernels(settings), 3)
+        compile_cache.record_seconds(compile_seconds)
     try:
         with Progress(
             TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -451,12 +454,19 @@ def selftest(
     Exit status 0 only when every mode and plant is caught on every seed and the clean baseline
     (same seeds, no faults) has zero violations. With `--kv-canary recover`: 0 only when no
     request is delivered with an output different from the fault-free run, for every fault on
-    every seed, and the clean baseline has no incident. `KVCANARY_*` variables are validated; the
-    self-test injects its own faults, so `KVCANARY_PERTURB_*` is refused.
+    every seed, and the clean baseline has no incident. `KVCANARY_*` variables are validated and
+    applied to every case as `run` applies them (the write-input assert and the token oracle on
+    the cases the token oracle serves); the self-test injects its own faults, so
+    `KVCANARY_PERTURB_*` is refused.
     """
     if transfers:
         from kvcanary.app.selftest.transfers_cli import selftest_transfers
 
+        if knobs := _selftest_knobs(model):
+            var = "KVCANARY_" + knobs[0][0].upper()  # the variable that set this field
+            raise BadInput(f"{var}={os.environ.get(var, knobs[0][1])} is set, but selftest "
+                           "--transfers does not apply KVCANARY_* variables; unset it (or drop "
+                           "--transfers)")  # fmt: skip
         raise typer.Exit(selftest_transfers(modes, places, seeds, first_seed, json_path))
     logging.disable(logging.WARNING)  # violations are expected here; the table tells the story
     argv = _argv(ctx)
@@ -475,11 +485,7 @@ def selftest(
         raise BadInput(explain(str(exc), {"kv_canary": "--kv-canary"})) from None
     if not spec.modes and not spec.plants:
         raise BadInput("--modes none with --plants none leaves nothing to test; pass --modes all")
-    perturb_vars = sorted(k for k in os.environ if k.startswith("KVCANARY_PERTURB_"))
-    if perturb_vars:
-        raise BadInput(f"{perturb_vars[0]} is set, but selftest injects its own faults; unset it "
-                       "(kvcanary run replays one fault)")  # fmt: skip
-    canary_config("log", "partial", 0, os.environ)  # the other KVCANARY_* must be valid too
+    spec = dataclasses.replace(spec, canary_knobs=_selftest_knobs(model))
     check_output_path("--json", json_path)
     check_output_path("--html", html_path)
     check_distinct_paths({"--json": json_path, "--html": html_path})
@@ -512,6 +518,19 @@ def selftest(
                 typer.echo(f"{s.name} seed {o.seed} not caught 1:1; replay: {o.replay}", err=True)
     if not campaign_passed(baseline, summaries):
         raise typer.Exit(EXIT_VIOLATIONS)
+
+
+def _selftest_knobs(model: str | None) -> tuple[tuple[str, object], ...]:
+    """The user's `KVCANARY_*` knobs for the campaign, validated as `run` validates them;
+    `KVCANARY_PERTURB_*` is refused (the campaign injects its own faults)."""
+    perturb_vars = sorted(k for k in os.environ if k.startswith("KVCANARY_PERTURB_"))
+    if perturb_vars:
+        raise BadInput(f"{perturb_vars[0]} is set, but selftest injects its own faults; unset it "
+                       "(kvcanary run replays one fault)")  # fmt: skip
+    knobs = canary_knobs(os.environ)
+    if model == "tiny":  # every case but next_token_swap then serves the tiny model
+        check_reference_engine_env(canary_config("log", "partial", 0, os.environ), "tiny")
+    return knobs
 
 
 def _selftest_recover(spec: CampaignSpec, json_path: Path | None, html_path: Path | None) -> None:
