@@ -202,8 +202,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{verdict}"
         )
     if "copyto_sequential_ns" in results:
+        copy_ns = results["copyto_sequential_ns"]
+        for kernel in ("verify", "write"):
+            results[f"{kernel}_sequential_vs_copyto"] = results[f"{kernel}_sequential_ns"] / copy_ns
         print(
-            f"(numpy.copyto of the sequential rows: {results['copyto_sequential_ns']:.2f} ns/slot)"
+            f"(numpy.copyto of the sequential rows, one thread: {copy_ns:.2f} ns/slot; against it "
+            f"verify {results['verify_sequential_vs_copyto']:.2f}x, "
+            f"write {results['write_sequential_vs_copyto']:.2f}x)"
         )
     if args.json:
         with open(args.json, "w") as f:
