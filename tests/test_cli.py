@@ -133,6 +133,27 @@ BAD: list[tuple[list[str], dict[str, str], str, str]] = [
     (["selftest", "--seeds", str(10**9)], {}, "--seeds", "1000000000"),
     (["selftest", "--first-seed", "-1"], {}, "--first-seed", "got -1"),
     (["selftest", "--modes", "none", "--plants", "none"], {}, "--plants none", "nothing to test"),
+    # selftest applies KVCANARY_* as run does, so it checks them as run does
+    (["selftest", "--kv-canary", "recover"], {"KVCANARY_ENABLE_V": "maybe"}, "KVCANARY_ENABLE_V", "'maybe'"),
+    (["selftest"], {"KVCANARY_STATS_PRINT_EVERY_N_STEPS": "-5"}, "KVCANARY_STATS_PRINT_EVERY_N_STEPS", "-5"),
+    (["selftest"], {"KVCANARY_RING_CAPACITY": str(2**70)}, "KVCANARY_RING_CAPACITY", str(2**70)),
+    (["run"], {"KVCANARY_RING_CAPACITY": str(10**12)}, "KVCANARY_RING_CAPACITY", str(10**12)),
+    (["selftest", "--model", "tiny"], {"KVCANARY_ENABLE_WRITE_INPUT_ASSERT": "1"}, "--model oracle", "tiny"),
+    (["selftest", "--model", "tiny"], {"KVCANARY_ENABLE_TOKEN_ORACLE": "1"}, "--model oracle", "tiny"),
+    (["selftest", "--transfers"], {"KVCANARY_RING_CAPACITY": "64"}, "KVCANARY_RING_CAPACITY=64", "--transfers"),
+    (["selftest", "--transfers"], {"KVCANARY_RING_CAPACITY": "x"}, "KVCANARY_RING_CAPACITY", "'x'"),
+    (["selftest", "--transfers"], FAULT, "KVCANARY_PERTURB_LATE_WRITE_PROB", "is set"),
+    # selftest --transfers: the same seed checks, its own names, no silently ignored flag
+    (["selftest", "--transfers", "--seeds", "0"], {}, "--seeds", "got 0"),
+    (["selftest", "--transfers", "--first-seed", "-1"], {}, "--first-seed", "got -1"),
+    (["selftest", "--transfers", "--modes", "bogus"], {}, "--modes", "'bogus'"),
+    (["selftest", "--transfers", "--places", "moon"], {}, "--places", "'moon'"),
+    (["selftest", "--transfers", "--places", "none"], {}, "--places", "'none'"),
+    (["selftest", "--transfers", "--html", "r.html"], {}, "--html", "r.html"),
+    (["selftest", "--transfers", "--plants", "all"], {}, "--plants", "all"),
+    (["selftest", "--transfers", "--kv-canary", "recover"], {}, "--kv-canary", "recover"),
+    (["selftest", "--transfers", "--model", "tiny"], {}, "--model", "tiny"),
+    (["selftest", "--transfers", "--json", "missing/t.json"], {}, "--json", "missing/t.json"),
 ]  # fmt: skip
 SUBPROCESS = {0, 14, 58, 75, 84}  # a few through a real `python -m kvcanary.cli` process
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
+    "MAX_RING_CAPACITY",
     "PERTURB_MODES",
     "CanaryConfig",
     "CanaryMode",
@@ -105,6 +106,10 @@ class PerturbConfig:
         return any(p > 0 for p in self.probabilities.values())
 
 
+#: the most violation-ring rows a config may ask for (1 GiB)
+MAX_RING_CAPACITY = 1 << 24
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CanaryConfig:
     """Every canary knob. Frozen; derived values are properties."""
@@ -134,6 +139,12 @@ class CanaryConfig:
         if self.ring_capacity <= 0:
             raise ValueError(
                 f"kv-canary: ViolationLog ring_capacity must be positive, got {self.ring_capacity}"
+            )
+        if self.ring_capacity > MAX_RING_CAPACITY:  # rows are allocated up front, 64 bytes each
+            raise ValueError(
+                f"kv-canary: ViolationLog ring_capacity must be at most {MAX_RING_CAPACITY} (64 "
+                f"bytes a row, allocated up front), got {self.ring_capacity}; set "
+                f"KVCANARY_RING_CAPACITY to {MAX_RING_CAPACITY} or less"
             )
         _validate_perturb(self)
 

@@ -49,6 +49,8 @@ class PassRows:
     def take(self) -> I64:
         """A copy of the rows recorded since `prepare` (every one: the ring was sized for them)."""
         n = min(int(self.state[0]), len(self._rows))
+        if n == 0:  # the common case: a clean pass allocates nothing
+            return self._rows[:0]
         return self._rows[:n].copy()
 
 

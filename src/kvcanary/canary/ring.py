@@ -49,6 +49,8 @@ class ViolationRing:
 
     def absorb(self, rows: npt.NDArray[np.int64]) -> None:
         """Append `rows` (`[n, 8]`, in order) with fill-once semantics, counting every one."""
+        if len(rows) == 0:
+            return
         start = self.write_index
         self.state[0] = start + len(rows)
         room = max(0, min(len(rows), self.capacity - start))

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -44,21 +43,28 @@ _NO_TOKENS = np.full(0, -1, dtype=np.int64)
 SERIAL_LAUNCH_ENTRIES = 4096
 
 
-@contextmanager
-def _launch_threads(entries: int) -> Iterator[None]:
-    """Run the kernels launched inside on one thread when `entries` is below the threshold."""
-    if entries >= SERIAL_LAUNCH_ENTRIES:
-        yield
-        return
-    before = int(numba.get_num_threads())
-    if before == 1:
-        yield
-        return
-    numba.set_num_threads(1)
-    try:
-        yield
-    finally:
-        numba.set_num_threads(before)
+class _LaunchThreads:
+    """Run the kernels launched inside on one thread when `entries` is below the threshold.
+
+    A class rather than a generator context manager: it is entered a few times per forward."""
+
+    __slots__ = ("_before", "_entries")
+
+    def __init__(self, entries: int) -> None:
+        self._entries = entries
+        self._before = 0  # 0: the thread count was left alone
+
+    def __enter__(self) -> None:
+        if self._entries >= SERIAL_LAUNCH_ENTRIES:
+            return
+        before = int(numba.get_num_threads())
+        if before != 1:
+            numba.set_num_threads(1)
+            self._before = before
+
+    def __exit__(self, *exc: object) -> None:
+        if self._before:
+            numba.set_num_threads(self._before)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +239,7 @@ class Canary:
         if self._open is not None:
             raise CanaryContractError("kv-canary: verify of landed slots while a forward is open")
         g = self.group(group)
-        with _launch_threads(len(slots)):
+        with _LaunchThreads(len(slots)):
             for stage in ("head", "tail"):
                 for half in g.halves:
                     tag = self._tags[stage, half, g.name]
@@ -304,7 +310,7 @@ class Canary:
 
     def _run_stage(self, stage: str, snap: ViewSnapshot, plans: dict[str, GroupPlan]) -> None:
         entries = sum(len(p.v_slot) + len(p.w_slots) for p in plans.values())
-        with _launch_threads(entries):
+        with _LaunchThreads(entries):
             self._launch_stage(stage, snap, plans)
 
     def _launch_stage(self, stage: str, snap: ViewSnapshot, plans: dict[str, GroupPlan]) -> None:
@@ -368,7 +374,7 @@ class Canary:
     def _sweep(self) -> None:
         assert self._walker is not None
         walked = walker_entries(self._walker)  # range-checked per group by translate
-        with _launch_threads(len(walked)):
+        with _LaunchThreads(len(walked)):
             self._sweep_groups(walked)
         self.sweep_passes += 1
         self._last_sweep_step = self.step

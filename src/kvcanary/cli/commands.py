@@ -7,6 +7,7 @@ types) are reused by `cli/vllm.py`; a new command or flag adds a parameter and a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from kvcanary.app.selftest.campaign import CAMPAIGN_MODES, CampaignSpec, run_cam
 from kvcanary.app.selftest.outcome import outcome_json, run_outcome_campaign
 from kvcanary.app.selftest.outcome_report import outcome_html, outcome_table
 from kvcanary.app.selftest.report import campaign_json, campaign_passed, html_report, result_table
+from kvcanary.app.selftest.selection import parse_names, transfer_selection
 from kvcanary.app.session import RunSettings, RunSummary, run_session, warm_up_kernels
 from kvcanary.app.workload import WorkloadSpec
 from kvcanary.canary import CanaryConfig, CanaryLaunchCapacities
@@ -51,6 +53,7 @@ from kvcanary.cli.errors import (
 from kvcanary.cli.validate import (
     MAX_SEED,
     canary_config,
+    canary_knobs,
     check_choice,
     check_reference_engine_env,
     check_run_sizes,
@@ -249,8 +252,9 @@ def run(
     compile_seconds = None
     if config.enabled and compile_cache.is_cold():  # before the bar: it would sit at 0
         err_console.print(f"kvcanary: compiling kernels, first run only, "
-                          f"~{compile_cache.COLD_START_SECONDS} s", markup=False, highlight=False)  # fmt: skip
+                          f"~{compile_cache.estimate_seconds()} s", markup=False, highlight=False)  # fmt: skip
         compile_seconds = round(warm_up_kernels(settings), 3)
+        compile_cache.record_seconds(compile_seconds)
     try:
         with Progress(
             TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -451,20 +455,21 @@ def selftest(
     Exit status 0 only when every mode and plant is caught on every seed and the clean baseline
     (same seeds, no faults) has zero violations. With `--kv-canary recover`: 0 only when no
     request is delivered with an output different from the fault-free run, for every fault on
-    every seed, and the clean baseline has no incident. `KVCANARY_*` variables are validated; the
-    self-test injects its own faults, so `KVCANARY_PERTURB_*` is refused.
+    every seed, and the clean baseline has no incident. `KVCANARY_*` variables are validated and
+    applied to every case as `run` applies them (the write-input assert and the token oracle on
+    the cases the token oracle serves); the self-test injects its own faults, so
+    `KVCANARY_PERTURB_*` is refused.
     """
-    if transfers:
-        from kvcanary.app.selftest.transfers_cli import selftest_transfers
-
-        raise typer.Exit(selftest_transfers(modes, places, seeds, first_seed, json_path))
-    logging.disable(logging.WARNING)  # violations are expected here; the table tells the story
-    argv = _argv(ctx)
     check_int("--seeds", seeds, 1, 1000, "pass 1 to 1000")
     check_int("--first-seed", first_seed, 0, MAX_SEED - seeds, "pass a smaller non-negative seed")
+    if transfers:
+        _selftest_transfers(ctx, modes, places, range(first_seed, first_seed + seeds), json_path,
+                            model)  # fmt: skip
+    logging.disable(logging.WARNING)  # violations are expected here; the table tells the story
+    argv = _argv(ctx)
     try:
         spec = CampaignSpec(
-            modes=_names(modes, CAMPAIGN_MODES), plants=_names(plants, PLANT_NAMES), seeds=seeds,
+            modes=parse_names(modes, CAMPAIGN_MODES), plants=parse_names(plants, PLANT_NAMES), seeds=seeds,
             first_seed=first_seed, model=model,
         )  # fmt: skip
         selftest_mode = parse_mode(kv_canary)
@@ -475,11 +480,7 @@ def selftest(
         raise BadInput(explain(str(exc), {"kv_canary": "--kv-canary"})) from None
     if not spec.modes and not spec.plants:
         raise BadInput("--modes none with --plants none leaves nothing to test; pass --modes all")
-    perturb_vars = sorted(k for k in os.environ if k.startswith("KVCANARY_PERTURB_"))
-    if perturb_vars:
-        raise BadInput(f"{perturb_vars[0]} is set, but selftest injects its own faults; unset it "
-                       "(kvcanary run replays one fault)")  # fmt: skip
-    canary_config("log", "partial", 0, os.environ)  # the other KVCANARY_* must be valid too
+    spec = dataclasses.replace(spec, canary_knobs=_selftest_knobs(model))
     check_output_path("--json", json_path)
     check_output_path("--html", html_path)
     check_distinct_paths({"--json": json_path, "--html": html_path})
@@ -514,6 +515,45 @@ def selftest(
         raise typer.Exit(EXIT_VIOLATIONS)
 
 
+def _selftest_transfers(
+    ctx: typer.Context, modes: str, places: str, seeds: range, json_path: Path | None,
+    model: str | None,
+) -> None:  # fmt: skip
+    """`selftest --transfers`: checks its flags, runs it and exits with its status."""
+    from kvcanary.app.selftest.transfers_cli import selftest_transfers
+
+    unused = {"plants": "--plants", "html_path": "--html", "kv_canary": "--kv-canary",
+              "model": "--model"}  # fmt: skip
+    for flag in sorted(_explicit(ctx, unused)):
+        value = ctx.params[next(p for p, f in unused.items() if f == flag)]
+        raise BadInput(f"{flag} {value} does not apply to selftest --transfers (the transfer "
+                       "faults run on the token oracle in log mode); drop it or drop --transfers")  # fmt: skip
+    if knobs := _selftest_knobs(model):
+        var = "KVCANARY_" + knobs[0][0].upper()  # the variable that set this field
+        raise BadInput(f"{var}={os.environ.get(var, knobs[0][1])} is set, but selftest "
+                       "--transfers does not apply KVCANARY_* variables; unset it (or drop "
+                       "--transfers)")  # fmt: skip
+    check_output_path("--json", json_path)
+    try:
+        faults, where = transfer_selection(modes, places)
+    except ValueError as exc:
+        raise BadInput(explain(str(exc), {})) from None
+    raise typer.Exit(selftest_transfers(faults, where, seeds, json_path))
+
+
+def _selftest_knobs(model: str | None) -> tuple[tuple[str, object], ...]:
+    """The user's `KVCANARY_*` knobs for the campaign, validated as `run` validates them;
+    `KVCANARY_PERTURB_*` is refused (the campaign injects its own faults)."""
+    perturb_vars = sorted(k for k in os.environ if k.startswith("KVCANARY_PERTURB_"))
+    if perturb_vars:
+        raise BadInput(f"{perturb_vars[0]} is set, but selftest injects its own faults; unset it "
+                       "(kvcanary run replays one fault)")  # fmt: skip
+    knobs = canary_knobs(os.environ)
+    if model == "tiny":  # every case but next_token_swap then serves the tiny model
+        check_reference_engine_env(canary_config("log", "partial", 0, os.environ), "tiny")
+    return knobs
+
+
 def _selftest_recover(spec: CampaignSpec, json_path: Path | None, html_path: Path | None) -> None:
     """`selftest --kv-canary recover`: outcomes against fault-free runs (SPEC §14.3)."""
     total = spec.seeds * (1 + len(spec.modes) + len(spec.plants))
@@ -544,13 +584,7 @@ def _selftest_recover(spec: CampaignSpec, json_path: Path | None, html_path: Pat
         raise typer.Exit(EXIT_VIOLATIONS)
 
 
-def _names(value: str, known: tuple[str, ...]) -> tuple[str, ...]:
-    word = value.strip().lower()
-    if word == "all":
-        return known
-    if word in ("none", ""):
-        return ()
-    return tuple(n.strip() for n in word.split(",") if n.strip())
+_names = parse_names  # the name `cli.vllm` imports it by
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ it. Sizes are bounded so a huge value is a clear error rather than a hang or an 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 
 from kvcanary.app.workload import WorkloadSpec
 from kvcanary.canary import CanaryConfig, CanaryMode
@@ -17,6 +18,7 @@ __all__ = [
     "CANARY_FLAGS",
     "MAX_SEED",
     "canary_config",
+    "canary_knobs",
     "check_choice",
     "check_reference_engine_env",
     "check_run_sizes",
@@ -81,6 +83,19 @@ def canary_config(
         raise BadInput(f"KVCANARY_PERTURB_{name.upper()}_PROB is set but --kv-canary is none "
                        "(no canary to inject into); pass --kv-canary log or unset it")  # fmt: skip
     return config
+
+
+def canary_knobs(environ: Mapping[str, str]) -> tuple[tuple[str, object], ...]:
+    """The `CanaryConfig` fields that `environ`'s `KVCANARY_*` variables set away from their
+    defaults, as (name, value), validated as for `kvcanary run` (one-line errors); for a command
+    that builds its own canary configs (selftest) and must still honour the user's knobs."""
+    configured = canary_config("log", "partial", 0, environ)
+    default = canary_config("log", "partial", 0, {})
+    return tuple(
+        (f.name, getattr(configured, f.name))
+        for f in fields(CanaryConfig)
+        if f.name != "perturb" and getattr(configured, f.name) != getattr(default, f.name)
+    )
 
 
 def check_reference_engine_env(config: CanaryConfig, model: str) -> None:

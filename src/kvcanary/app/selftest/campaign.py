@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,11 @@ class CampaignSpec:
     #: reads (next_token_swap keeps the oracle: its detection needs the write-input assert);
     #: None keeps the default fixture (the token oracle, tiny for spec_rollback_stale)
     model: str | None = None
+    #: the `CanaryConfig` fields the user's `KVCANARY_*` variables set away from their defaults
+    #: (name, value), applied to every case's canary as `kvcanary run` applies them; the write-input
+    #: assert and the token oracle only where the case serves the token oracle (the only model
+    #: that has one). `KVCANARY_PERTURB_*` is refused: the campaign injects its own faults.
+    canary_knobs: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -84,6 +90,9 @@ class CampaignSpec:
                 )
         if self.seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {self.seeds}")
+        for name, _ in self.canary_knobs:
+            if name in ("mode", "real_data", "sweep_interval", "perturb"):
+                raise ValueError(f"canary_knobs: {name} is the campaign's own, not a knob")
         if self.model not in (None, "tiny", "oracle"):
             raise ValueError(f"--model must be tiny or oracle, got {self.model!r}")
 
@@ -105,6 +114,11 @@ def case_settings(
         mode=CanaryMode.LOG, real_data=RealDataMode.PARTIAL, sweep_interval=spec.sweep_interval,
         stats_print_every_n_steps=0, enable_write_input_assert=model_kind == "oracle", perturb=perturb,
     )  # fmt: skip
+    knobs = dict(spec.canary_knobs)
+    if model_kind != "oracle":  # both need the token oracle, which the tiny model has not
+        knobs.pop("enable_write_input_assert", None)
+        knobs.pop("enable_token_oracle", None)
+    canary = dataclasses.replace(canary, **knobs)  # type: ignore[arg-type]
     engine = EngineConfig(
         num_slots=320, max_context_len=256, vocab_size=256, max_running_requests=8, max_batch_size=8,
         chunked_prefill_size=16, max_prefill_tokens=64, speculative_num_draft_tokens=2, seed=seed,

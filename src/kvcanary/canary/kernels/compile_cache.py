@@ -7,10 +7,21 @@ fixes a function's cache location when `@njit(cache=True)` runs). The folder is
 shared intrinsic would otherwise load stale machine code; with the digest any edit starts a new
 folder. Two virtual environments on one checkout share the folder, and the installed package stays
 clean. A user's own `NUMBA_CACHE_DIR` (or `numba.config.CACHE_DIR`) always wins.
+
+Compile cost (a cold run compiles `build_plan`, `write` and `verify` once each, one signature
+apiece: the runtime passes one dtype and layout per argument). Most of it was numba's own passes
+over IR bloated by `inline="always"` (the IR is copied at every call site, then type-inferred and
+run through the parallel passes again): `_write_step` inlined into the four lanes of
+`_chains_folded` alone took ~18 CPU s. Per-entry steps called from several sites of a parallel
+kernel (`_write_step`, `_plain_step`) are therefore plain `@njit` functions: compiled once, and
+LLVM still inlines them into each loop (checked on the generated IR), so the machine code is
+the same. Small helpers used once stay `inline="always"`. Cold `kvcanary run`: ~15 CPU s of
+compilation instead of ~40 (bench/cold_start.py prints cold and warm runs side by side).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Mapping
@@ -18,10 +29,20 @@ from pathlib import Path
 
 import numba.core.config
 
-__all__ = ["COLD_START_SECONDS", "cache_dir", "configure", "default_cache_dir", "is_cold"]
+__all__ = [
+    "COLD_START_SECONDS",
+    "cache_dir",
+    "configure",
+    "default_cache_dir",
+    "estimate_seconds",
+    "is_cold",
+    "record_seconds",
+]
 
-#: a cold `kvcanary run` compiles for about this long on this project's 2-core machine
-COLD_START_SECONDS = 40
+#: what a cold `kvcanary run` compiles for on an idle 2-core machine (about 15 CPU seconds,
+#: bench/cold_start.py); `estimate_seconds` prefers what the last cold run here measured
+COLD_START_SECONDS = 20
+_LAST = "last-compile-seconds"  # beside the per-digest folders, so it outlives kernel edits
 
 _KERNELS = Path(__file__).resolve().parent
 
@@ -72,3 +93,22 @@ def is_cold() -> bool:
     if folder is None:
         return not any((_KERNELS / "__pycache__").glob("*.nbi"))
     return not any(folder.rglob("*.nbi"))
+
+
+def _last_file(environ: Mapping[str, str] = os.environ) -> Path:
+    return default_cache_dir(environ).parent / _LAST
+
+
+def estimate_seconds(environ: Mapping[str, str] = os.environ) -> int:
+    """How long a cold compile will take here: the last one this machine measured (loaded or
+    not), else `COLD_START_SECONDS`."""
+    try:
+        return max(1, round(float(_last_file(environ).read_text())))
+    except (OSError, ValueError):
+        return COLD_START_SECONDS
+
+
+def record_seconds(seconds: float, environ: Mapping[str, str] = os.environ) -> None:
+    """Remember how long this cold compile took, for the next `estimate_seconds` (best effort)."""
+    with contextlib.suppress(OSError):
+        _last_file(environ).write_text(f"{seconds:.1f}\n")

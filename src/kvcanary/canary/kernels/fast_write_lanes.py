@@ -43,7 +43,7 @@ def _lane(r, nreq, req_offsets, start_hash, start_pos, seeds, chain_position):  
     return req_offsets[r], req_offsets[r + 1], start_hash[r], start_pos[r], do_pos
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)  # a call, not IR-inlined: see compile_cache
 def _write_step(  # type: ignore[no-untyped-def]
     buf, i, nw, running, prev_pos, do_pos, w_slots, input_ids, positions, do_assert, exp_tok,
     exp_pos, s0, s1, s2, s3, params, count,
@@ -66,7 +66,7 @@ def _write_step(  # type: ignore[no-untyped-def]
     return mix3(running, uint64(tok), uint64(pos)), pos, bad
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)  # a call, not IR-inlined: see compile_cache
 def _plain_step(  # type: ignore[no-untyped-def]
     buf, i, running, prev_pos, do_pos, w_slots, input_ids, positions, prefetch, last,
 ):  # fmt: skip
