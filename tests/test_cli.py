@@ -143,6 +143,17 @@ BAD: list[tuple[list[str], dict[str, str], str, str]] = [
     (["selftest", "--transfers"], {"KVCANARY_RING_CAPACITY": "64"}, "KVCANARY_RING_CAPACITY=64", "--transfers"),
     (["selftest", "--transfers"], {"KVCANARY_RING_CAPACITY": "x"}, "KVCANARY_RING_CAPACITY", "'x'"),
     (["selftest", "--transfers"], FAULT, "KVCANARY_PERTURB_LATE_WRITE_PROB", "is set"),
+    # selftest --transfers: the same seed checks, its own names, no silently ignored flag
+    (["selftest", "--transfers", "--seeds", "0"], {}, "--seeds", "got 0"),
+    (["selftest", "--transfers", "--first-seed", "-1"], {}, "--first-seed", "got -1"),
+    (["selftest", "--transfers", "--modes", "bogus"], {}, "--modes", "'bogus'"),
+    (["selftest", "--transfers", "--places", "moon"], {}, "--places", "'moon'"),
+    (["selftest", "--transfers", "--places", "none"], {}, "--places", "'none'"),
+    (["selftest", "--transfers", "--html", "r.html"], {}, "--html", "r.html"),
+    (["selftest", "--transfers", "--plants", "all"], {}, "--plants", "all"),
+    (["selftest", "--transfers", "--kv-canary", "recover"], {}, "--kv-canary", "recover"),
+    (["selftest", "--transfers", "--model", "tiny"], {}, "--model", "tiny"),
+    (["selftest", "--transfers", "--json", "missing/t.json"], {}, "--json", "missing/t.json"),
 ]  # fmt: skip
 SUBPROCESS = {0, 14, 58, 75, 84}  # a few through a real `python -m kvcanary.cli` process
 

@@ -28,6 +28,7 @@ from kvcanary.app.selftest.campaign import CAMPAIGN_MODES, CampaignSpec, run_cam
 from kvcanary.app.selftest.outcome import outcome_json, run_outcome_campaign
 from kvcanary.app.selftest.outcome_report import outcome_html, outcome_table
 from kvcanary.app.selftest.report import campaign_json, campaign_passed, html_report, result_table
+from kvcanary.app.selftest.selection import parse_names, transfer_selection
 from kvcanary.app.session import RunSettings, RunSummary, run_session, warm_up_kernels
 from kvcanary.app.workload import WorkloadSpec
 from kvcanary.canary import CanaryConfig, CanaryLaunchCapacities
@@ -459,22 +460,16 @@ def selftest(
     the cases the token oracle serves); the self-test injects its own faults, so
     `KVCANARY_PERTURB_*` is refused.
     """
-    if transfers:
-        from kvcanary.app.selftest.transfers_cli import selftest_transfers
-
-        if knobs := _selftest_knobs(model):
-            var = "KVCANARY_" + knobs[0][0].upper()  # the variable that set this field
-            raise BadInput(f"{var}={os.environ.get(var, knobs[0][1])} is set, but selftest "
-                           "--transfers does not apply KVCANARY_* variables; unset it (or drop "
-                           "--transfers)")  # fmt: skip
-        raise typer.Exit(selftest_transfers(modes, places, seeds, first_seed, json_path))
-    logging.disable(logging.WARNING)  # violations are expected here; the table tells the story
-    argv = _argv(ctx)
     check_int("--seeds", seeds, 1, 1000, "pass 1 to 1000")
     check_int("--first-seed", first_seed, 0, MAX_SEED - seeds, "pass a smaller non-negative seed")
+    if transfers:
+        _selftest_transfers(ctx, modes, places, range(first_seed, first_seed + seeds), json_path,
+                            model)  # fmt: skip
+    logging.disable(logging.WARNING)  # violations are expected here; the table tells the story
+    argv = _argv(ctx)
     try:
         spec = CampaignSpec(
-            modes=_names(modes, CAMPAIGN_MODES), plants=_names(plants, PLANT_NAMES), seeds=seeds,
+            modes=parse_names(modes, CAMPAIGN_MODES), plants=parse_names(plants, PLANT_NAMES), seeds=seeds,
             first_seed=first_seed, model=model,
         )  # fmt: skip
         selftest_mode = parse_mode(kv_canary)
@@ -520,6 +515,32 @@ def selftest(
         raise typer.Exit(EXIT_VIOLATIONS)
 
 
+def _selftest_transfers(
+    ctx: typer.Context, modes: str, places: str, seeds: range, json_path: Path | None,
+    model: str | None,
+) -> None:  # fmt: skip
+    """`selftest --transfers`: checks its flags, runs it and exits with its status."""
+    from kvcanary.app.selftest.transfers_cli import selftest_transfers
+
+    unused = {"plants": "--plants", "html_path": "--html", "kv_canary": "--kv-canary",
+              "model": "--model"}  # fmt: skip
+    for flag in sorted(_explicit(ctx, unused)):
+        value = ctx.params[next(p for p, f in unused.items() if f == flag)]
+        raise BadInput(f"{flag} {value} does not apply to selftest --transfers (the transfer "
+                       "faults run on the token oracle in log mode); drop it or drop --transfers")  # fmt: skip
+    if knobs := _selftest_knobs(model):
+        var = "KVCANARY_" + knobs[0][0].upper()  # the variable that set this field
+        raise BadInput(f"{var}={os.environ.get(var, knobs[0][1])} is set, but selftest "
+                       "--transfers does not apply KVCANARY_* variables; unset it (or drop "
+                       "--transfers)")  # fmt: skip
+    check_output_path("--json", json_path)
+    try:
+        faults, where = transfer_selection(modes, places)
+    except ValueError as exc:
+        raise BadInput(explain(str(exc), {})) from None
+    raise typer.Exit(selftest_transfers(faults, where, seeds, json_path))
+
+
 def _selftest_knobs(model: str | None) -> tuple[tuple[str, object], ...]:
     """The user's `KVCANARY_*` knobs for the campaign, validated as `run` validates them;
     `KVCANARY_PERTURB_*` is refused (the campaign injects its own faults)."""
@@ -563,13 +584,7 @@ def _selftest_recover(spec: CampaignSpec, json_path: Path | None, html_path: Pat
         raise typer.Exit(EXIT_VIOLATIONS)
 
 
-def _names(value: str, known: tuple[str, ...]) -> tuple[str, ...]:
-    word = value.strip().lower()
-    if word == "all":
-        return known
-    if word in ("none", ""):
-        return ()
-    return tuple(n.strip() for n in word.split(",") if n.strip())
+_names = parse_names  # the name `cli.vllm` imports it by
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,50 +1,28 @@
-"""The body of `kvcanary selftest --transfers` (the CLI only parses flags)."""
+"""The body of `kvcanary selftest --transfers` (the CLI parses and checks the flags, with
+`selection.transfer_selection`)."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
-from kvcanary.app.selftest.transfers import PLACES, run_transfer_campaign
+from kvcanary.app.selftest.transfers import run_transfer_campaign
 from kvcanary.app.selftest.transfers_report import transfer_json, transfer_passed, transfer_table
-from kvcanary.engine.transfer_faults import TRANSFER_FAULT_NAMES, validate_transfer_faults
 
 __all__ = ["selftest_transfers"]
 
 
-def _names(value: str, known: tuple[str, ...]) -> tuple[str, ...]:
-    word = value.strip().lower()
-    if word == "all":
-        return known
-    if word in ("none", ""):
-        return ()
-    return tuple(n.strip() for n in word.split(",") if n.strip())
-
-
 def selftest_transfers(
-    modes: str, places: str, seeds: int, first_seed: int, json_path: Path | None
+    faults: Sequence[str], places: Sequence[str], seeds: range, json_path: Path | None
 ) -> int:
-    """Run the transfer campaign; returns the exit status (0 pass, 1 fail, 2 bad input)."""
-    try:
-        faults = _names(modes, TRANSFER_FAULT_NAMES)
-        validate_transfer_faults(faults)
-        where = _names(places, tuple(PLACES))
-        bad = [p for p in where if p not in PLACES]
-        if bad:
-            raise ValueError(f"--places: unknown place {bad[0]!r}; choose from host, disagg")
-        if seeds < 1:
-            raise ValueError(f"--seeds must be >= 1, got {seeds}")
-    except ValueError as exc:
-        typer.echo(str(exc), err=True)
-        return 2
+    """Run the transfer campaign; returns the exit status (0 pass, 1 fail)."""
     logging.disable(logging.WARNING)  # violations are expected; the table tells the story
-    baseline, summaries = run_transfer_campaign(
-        faults, range(first_seed, first_seed + seeds), 24, places=where
-    )
+    baseline, summaries = run_transfer_campaign(faults, seeds, 24, places=places)
     Console(width=200).print(transfer_table(baseline, summaries))
     if json_path is not None:
         json_path.write_text(json.dumps(transfer_json(baseline, summaries), indent=2) + "\n")
