@@ -106,7 +106,7 @@ def test_the_shortcut_composes_with_a_users_connector() -> None:
     assert canary_transfer_config(multi).kv_connector_extra_config["connectors"] == children
 
 
-def test_connector_config_rejects_unknown_keys_and_recover() -> None:
+def test_connector_config_rejects_unknown_keys_and_takes_recover() -> None:
     from kvcanary.adapters.vllm.install import config_from
 
     cfg = config_from({}, {})
@@ -115,5 +115,48 @@ def test_connector_config_rejects_unknown_keys_and_recover() -> None:
     assert config_from({"KVCANARY_MODE": "raise"}, {"sweep_interval": 2}).sweep_interval == 2
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config key 'bogus'"):
         config_from({}, {"bogus": 1})
-    with pytest.raises(ValueError, match="mode recover is not wired into vLLM"):
-        config_from({}, {"mode": "recover"})
+    recover = config_from({}, {"mode": "recover"})
+    assert recover.recover and recover.enable_verify_token_assert
+
+
+def test_the_scheduler_recover_path_the_adapter_wraps() -> None:
+    """Mode `recover` (kvcanary.adapters.vllm.recover): vLLM reads the invalid blocks in the same
+    `update_from_output` that applies the step's tokens, before the token loop, and skips the
+    requests `_handle_invalid_blocks` returns; the adapter wraps both on the scheduler instance,
+    preempts through `_preempt_request`, evicts through `KVCacheManager.evict_blocks` and ends a
+    request through the per-step error set `encoder_cache_mismatch_reqs`."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker import kv_connector_model_runner_mixin as mixin
+
+    assert params(Scheduler.update_from_output) == ["self", "scheduler_output",
+                                                    "model_runner_output"]  # fmt: skip
+    assert params(Scheduler._handle_invalid_blocks) == ["self", "invalid_block_ids",
+                                                        "num_scheduled_tokens"]  # fmt: skip
+    assert params(Scheduler._preempt_request)[:4] == ["self", "request", "timestamp",
+                                                      "drop_stale_output"]  # fmt: skip
+    assert params(KVCacheManager.evict_blocks) == ["self", "block_ids"]
+    update = inspect.getsource(Scheduler.update_from_output)
+    handled = update.index("self._handle_invalid_blocks(")
+    loop = update.index("for req_id, num_tokens_scheduled in num_scheduled_tokens.items()")
+    skip = update.index("if failed_kv_load_req_ids and req_id in failed_kv_load_req_ids")
+    drained = update.index("error_req_ids.update(self.encoder_cache_mismatch_reqs)")
+    connector = update.index("self._update_from_kv_xfer_finished(")
+    assert handled < loop < skip < drained < connector
+    assert "self.connector.bind_kv_cache_manager(self.kv_cache_manager)" in inspect.getsource(
+        Scheduler.__init__
+    )  # the connector finds the scheduler up the stack
+    worker = inspect.getsource(mixin.KVConnectorModelRunnerMixin._get_kv_connector_output)
+    _, _, tail = worker.partition("yield output")
+    saved = tail.index("wait_for_save()")
+    errors = tail.index("get_block_ids_with_load_errors()")
+    meta = tail.index("build_connector_worker_meta()")
+    assert saved < errors < meta  # TAIL ran before the blocks are read; damage rides the meta
+
+
+def test_recover_mode_builds_the_recompute_policy() -> None:
+    from kvcanary.adapters.vllm.plugin import canary_transfer_config, recover_policy
+
+    assert recover_policy({"KVCANARY_MODE": " Recover "}) == {"kv_load_failure_policy": "recompute"}
+    assert recover_policy({"KVCANARY_MODE": "log"}) == {}
+    assert canary_transfer_config(None).kv_load_failure_policy in ("fail", "recompute")

@@ -5,7 +5,8 @@ vLLM's `LLM` (engine core where `VLLM_ENABLE_V1_MULTIPROCESSING` puts it; vLLM's
 child process) and prints the `kvcanary run` summary plus vLLM's own counters. `--serve` runs the
 same workload over HTTP against vLLM's OpenAI server on 127.0.0.1. With `--faults` it runs the
 vLLM fault campaign instead (any process layout): per seed a clean run, then each fault armed
-once, correlated 1:1.
+once, correlated 1:1; with `--kv-canary recover` the outcome campaign (in-process engine core):
+every output compared with the fault-free run (`kvcanary.app.vllm.recover_campaign`).
 """
 
 from __future__ import annotations
@@ -201,6 +202,9 @@ def vllm(
             raise BadInput("--faults needs --kv-canary-sweep-interval > 0 (kv_flip_cached is "
                            "found by the sweep); pass --kv-canary-sweep-interval 4")  # fmt: skip
         check_tensor_parallel(tensor_parallel_size)
+        if modes and config.recover and not _recover_in_process():
+            raise BadInput("--kv-canary recover --faults reads vLLM's scheduler in this process; "
+                           "run with VLLM_ENABLE_V1_MULTIPROCESSING=0")  # fmt: skip
     except (ValueError, TypeError) as exc:
         raise BadInput(explain(str(exc), _CANARY_FLAGS)) from None
     _import_vllm()
@@ -221,7 +225,9 @@ def vllm(
     _bind_ranks(tensor_parallel_size)
     err_console.print(f"starting vLLM on {settings.model} ...", markup=False)
     engine = VllmEngine(settings, canary_env(config), faults=bool(modes))
-    if modes:
+    if modes and config.recover:
+        _recover_campaign(engine, spec, json_path)
+    elif modes:
         _campaign(engine, spec, json_path)
     else:
         _plain(engine, n_req, seed, n_tok, json_path)
@@ -360,4 +366,53 @@ def _campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
     for name, seed in failing:
         typer.echo(f"{name} seed {seed} failed; replay: {replay_command(name, seed)}", err=True)
     if not campaign_passed(baseline, summaries):
+        raise typer.Exit(EXIT_VIOLATIONS)
+
+
+def _recover_in_process() -> bool:
+    from kvcanary.app.vllm.engine import in_process
+
+    return in_process()
+
+
+def _recover_campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
+    """`--kv-canary recover --faults ...`: outputs against the fault-free run, per fault."""
+    from rich.table import Table
+
+    from kvcanary.app.vllm.recover_campaign import (
+        recover_json,
+        recover_passed,
+        recover_rows,
+        run_vllm_recover_campaign,
+    )
+
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)  # rows go to the table and JSON
+    total = spec.seeds * (1 + len(spec.modes))
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=err_console,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("campaign", total=total)
+        baseline, per_mode = run_vllm_recover_campaign(
+            engine, spec, lambda msg: bar.update(task, advance=1, description=msg)
+        )
+    rows = recover_rows(baseline, per_mode)
+    table = Table(title=f"kvcanary vllm --kv-canary recover ({spec.seeds} seeds, "
+                        f"{spec.requests} requests each, against the fault-free run)")  # fmt: skip
+    columns = ("name", "seeds", "fired", "corrupted_delivered", "failed", "recovered",
+               "recompute_tokens", "incidents", "violations")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="left" if col == "name" else "right")
+    for row in rows:
+        table.add_row(*(str(row[c]) for c in columns))
+    Console(width=max(Console().width, 132)).print(table)  # full column names
+    if json_path is not None:
+        json_path.write_text(json.dumps(recover_json(baseline, per_mode), indent=2) + "\n")
+    for o in [*baseline, *(o for outs in per_mode.values() for o in outs)]:
+        if o.corrupted_delivered or (o.name == "clean" and (o.incidents or o.violations)):
+            faults = "none" if o.name == "clean" else o.name
+            typer.echo(f"{o.name} seed {o.seed}: {o.corrupted_delivered} corrupted output(s) "
+                       f"delivered; replay: kvcanary vllm --kv-canary recover --faults {faults} "
+                       f"--first-seed {o.seed} --seeds 1", err=True)  # fmt: skip
+    if not recover_passed(baseline, per_mode):
         raise typer.Exit(EXIT_VIOLATIONS)

@@ -20,7 +20,9 @@ engine core, one worker per rank):
   provenance as blocks are cached); `build_connector_meta` ships a snapshot of the cached blocks on
   the steps the worker sweeps; `update_connector_output` receives the workers' summaries.
 - `build_prom_metrics`: `kvcanary_*` counters on vLLM's `/metrics` (API-server process).
-- `get_block_ids_with_load_errors`: the blocks a recover policy wants recomputed (none yet).
+- `get_block_ids_with_load_errors` (mode `recover`): the blocks of requests whose HEAD or TAIL
+  failed, so vLLM drops their tokens of this step; `bind_kv_cache_manager` wraps the scheduler so
+  the damaged requests resume into fresh blocks (`kvcanary.adapters.vllm.recover`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvcanary.adapters.vllm.install import config_from
+from kvcanary.adapters.vllm.recover import SchedulerRecovery, calling_scheduler, worker_damage
 from kvcanary.adapters.vllm.state import STATE
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, ParentLedger, snapshot_pool
 
@@ -60,6 +63,8 @@ logger = logging.getLogger("kvcanary")
 
 VIOLATION_TAGS = ("HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL", "SWEEP_K_FULL",
                   "SWEEP_V_FULL")  # fmt: skip
+#: scheduler-side counters of mode `recover` (`kvcanary_<name>_total` on /metrics)
+RECOVER_COUNTERS = ("incidents", "recoveries", "recompute_tokens", "requests_failed")
 VIOLATION_REASONS = ("verify_chain_hash", "verify_position", "verify_real_kv_hash",
                      "write_token", "write_position", "verify_token")  # fmt: skip
 
@@ -81,6 +86,8 @@ class CanaryWorkerMeta(KVConnectorWorkerMetadata):
     violations: dict[str, int] = field(default_factory=dict)
     forwards: int = 0
     driver: list[Any] = field(default_factory=list)
+    damage: tuple[tuple[str, int, int], ...] = ()  # mode recover: (req id, position, block index)
+    sweep_blocks: tuple[int, ...] = ()  # mode recover: cached blocks a SWEEP found bad
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Sum the ranks' counts (each rank checks its own KV shard); keep every message."""
@@ -88,7 +95,8 @@ class CanaryWorkerMeta(KVConnectorWorkerMetadata):
         merged = Counter(self.violations)
         merged.update(other.violations)
         return CanaryWorkerMeta(dict(merged), self.forwards + other.forwards,
-                                [*self.driver, *other.driver])  # fmt: skip
+                                [*self.driver, *other.driver], (*self.damage, *other.damage),
+                                tuple(sorted({*self.sweep_blocks, *other.sweep_blocks})))  # fmt: skip
 
 
 @runtime_checkable
@@ -117,7 +125,7 @@ class KVCanaryStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Sum two intervals (or two ranks)."""
         out: dict[str, Any] = {k: int(self.data.get(k, 0)) + int(other.data.get(k, 0))
-                               for k in ("forwards", "checks", "sweeps")}  # fmt: skip
+                               for k in ("forwards", "checks", "sweeps", *RECOVER_COUNTERS)}  # fmt: skip
         v: Counter[str] = Counter(self.data.get("violations", {}))
         v.update(other.data.get("violations", {}))
         out["violations"] = dict(v)
@@ -133,7 +141,8 @@ class KVCanaryStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         """No figures in this interval."""
-        return not any(self.data.get(k) for k in ("forwards", "checks", "sweeps", "violations"))
+        return not any(self.data.get(k) for k in ("forwards", "checks", "sweeps", "violations",
+                                                  *RECOVER_COUNTERS))  # fmt: skip
 
 
 class KVCanaryPromMetrics(KVConnectorPromMetrics):
@@ -152,6 +161,10 @@ class KVCanaryPromMetrics(KVConnectorPromMetrics):
                 ("forwards", "Forwards the kvcanary checked (HEAD and TAIL)."),
                 ("checks", "KV slot checks the kvcanary ran (HEAD, TAIL, sweep)."),
                 ("sweeps", "Sweeps of vLLM's prefix cache by the kvcanary."),
+                ("incidents", "Damaged requests the kvcanary recover mode acted on."),
+                ("recoveries", "Recomputes into fresh blocks (kvcanary recover mode)."),
+                ("recompute_tokens", "Positions recomputed after kvcanary incidents."),
+                ("requests_failed", "Requests ended with an error by kvcanary recover mode."),
             )
         }
         self._violations = c(name="kvcanary_violations",
@@ -209,6 +222,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.agents: dict[str, Any] = {}  # scheduler-side driver agents (see DriverMessage)
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         self._block_size = int(groups[0].kv_cache_spec.block_size) if groups else 0
+        self.recovery = SchedulerRecovery(ledger=self.ledger) if self.config.recover else None
+        self._damage: CanaryWorkerMeta | None = None
         STATE.connectors.append(weakref.ref(self))
 
     # ------------------------------------------------------------------ worker half
@@ -273,23 +288,41 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             raise
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks the recover policy wants vLLM to recompute (kept for it; empty here)."""
+        """Mode `recover`: the blocks of the requests this forward's incidents name (vLLM then
+        drops their tokens of this step); the damage itself goes with the worker meta."""
         out, self.invalid_block_ids = self.invalid_block_ids, set()
+        w = self.worker
+        if self.config.recover and w is not None and w.canary is not None:
+            found = worker_damage(w)
+            if found.damage or found.sweep_blocks:
+                self._damage = CanaryWorkerMeta(
+                    damage=tuple((d.req_id, d.first_position, d.block_index) for d in found.damage),
+                    sweep_blocks=tuple(sorted(found.sweep_blocks)),
+                )
+            out |= found.report_blocks
         return out
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """This step's violation counts for the scheduler half."""
+        """This step's violation counts (and, in mode `recover`, damage) for the scheduler."""
+        damage, self._damage = self._damage, None
         w = self.worker
         if w is None:
-            return None
+            return damage
         driver = list(w.hooks.outbox()) if hasattr(w.hooks, "outbox") else []
-        if not w.figures.violations and not driver:
+        if not w.figures.violations and not driver and damage is None:
             return None
-        return CanaryWorkerMeta(dict(w.figures.violations), w.figures.forwards, driver)
+        meta = CanaryWorkerMeta(dict(w.figures.violations), w.figures.forwards, driver)
+        if damage is not None:
+            meta.damage, meta.sweep_blocks = damage.damage, damage.sweep_blocks
+        return meta
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Deltas for /metrics and vLLM's log (None when nothing happened)."""
+        """Deltas for /metrics and vLLM's log (None when nothing happened); the scheduler half
+        reports mode `recover`'s counters."""
         w = self.worker
+        if w is None and self.recovery is not None:
+            data = self.recovery.take_counters()
+            return KVCanaryStats(data=data) if any(data.values()) else None
         if w is None or w.figures.is_empty():
             return None
         f = w.take_figures()
@@ -308,6 +341,13 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         return KVCanaryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ scheduler half
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """vLLM's binding (then `bind_gpu_block_pool`); mode `recover` also wraps the
+        scheduler being built so damaged requests resume into fresh blocks."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.recovery is not None:
+            self.recovery.bind(calling_scheduler())
+
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         """Keep the scheduler's pool and record each block's provenance as it is cached."""
         self._pool = gpu_block_pool

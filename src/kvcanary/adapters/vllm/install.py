@@ -61,9 +61,6 @@ def config_from(environ: Mapping[str, str], extra: Mapping[str, Any] | None = No
         raise ValueError(
             f"kv-canary: KVCANARY_SWEEP_INTERVAL (sweep_interval) must be an integer, got {sweep!r}"
         ) from None
-    if merged["KVCANARY_MODE"].strip().lower() == "recover":
-        raise ValueError("kv-canary: mode recover is not wired into vLLM yet (the connector keeps "
-                         "get_block_ids_with_load_errors for it); use mode log or raise")
     rest = {k: v for k, v in merged.items() if k not in _ADAPTER_ENV}
     return CanaryConfig.from_args_and_env(
         kv_canary=merged["KVCANARY_MODE"],

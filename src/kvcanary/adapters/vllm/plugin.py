@@ -4,7 +4,8 @@ fix. vLLM loads general plugins in every process (API server, engine core, worke
 Monkeypatches (each named in docs/architecture.md, each with a signature test in
 tests/adapters/test_vllm_hooks.py):
 
-- `EngineArgs.create_engine_config` (vllm/engine/arg_utils.py), only with `KVCANARY_MODE=log|raise`:
+- `EngineArgs.create_engine_config` (vllm/engine/arg_utils.py), only with
+  `KVCANARY_MODE=log|raise|recover` (recover: with `kv_load_failure_policy=recompute`):
   before vLLM builds its config, add the `KVCanaryConnector` kv-transfer config (or wrap a user's
   own connector and the canary in a `MultiConnector`). vLLM has no hook for a plugin to add a
   connector.
@@ -37,6 +38,7 @@ __all__ = [
     "STOP_NOTE_ENV",
     "apply_patches",
     "canary_transfer_config",
+    "recover_policy",
     "register_from_env",
     "write_stop_note",
 ]
@@ -61,7 +63,7 @@ def canary_transfer_config(existing: Any) -> Any:
     from vllm.config import KVTransferConfig
 
     if existing is None or existing.kv_connector is None:
-        return KVTransferConfig(**CONNECTOR_CONFIG)
+        return KVTransferConfig(**CONNECTOR_CONFIG, **recover_policy())
     if existing.kv_connector == CONNECTOR_CONFIG["kv_connector"]:
         return existing
     extra = dict(existing.kv_connector_extra_config or {})
@@ -80,6 +82,15 @@ def canary_transfer_config(existing: Any) -> Any:
         extra = {"connectors": [user, dict(CONNECTOR_CONFIG)]}
     return KVTransferConfig(kv_connector="MultiConnector", kv_role=existing.kv_role or "kv_both",
                             kv_connector_extra_config=extra)  # fmt: skip
+
+
+def recover_policy(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`kv_load_failure_policy=recompute` when `KVCANARY_MODE=recover` and the canary's own
+    kv-transfer config is built (vLLM's default `fail` would fail every damaged request; a user's
+    own `--kv-transfer-config` keeps its policy)."""
+    env = os.environ if environ is None else environ
+    recover = env.get("KVCANARY_MODE", "").strip().lower() == "recover"
+    return {"kv_load_failure_policy": "recompute"} if recover else {}
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -189,9 +200,11 @@ def register_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """Apply the patches; True when `KVCANARY_MODE` asks for the canary (log or raise)."""
     env = os.environ if environ is None else environ
     mode = env.get("KVCANARY_MODE", "none").strip().lower()
-    if mode not in ("", "none", "off", "log", "raise"):
-        raise ValueError(f"kv-canary: KVCANARY_MODE must be one of none/log/raise, got {mode!r}")
-    shortcut = mode in ("log", "raise")
+    if mode not in ("", "none", "off", "log", "raise", "recover"):
+        raise ValueError(
+            f"kv-canary: KVCANARY_MODE must be one of none/log/raise/recover, got {mode!r}"
+        )
+    shortcut = mode in ("log", "raise", "recover")
     _ensure_log_handler()
     apply_patches(shortcut)
     return shortcut

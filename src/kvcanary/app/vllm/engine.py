@@ -66,6 +66,7 @@ class VllmRun:
     figures: dict[str, Any]
     violations: tuple[Violation, ...] = field(repr=False)
     outputs: tuple[tuple[int, ...], ...] = field(repr=False)
+    finish_reasons: tuple[str | None, ...] = field(default=(), repr=False)
 
 
 #: running per-rank counters `drain` sums (`recorded`: every violation, dropped details included)
@@ -110,6 +111,8 @@ class VllmEngine:
         self.in_process = in_process()
         self.canary_on = env.get("KVCANARY_MODE", "none") != "none"
         transfer = dict(CONNECTOR_CONFIG) if self.canary_on else None
+        if transfer is not None and env.get("KVCANARY_MODE", "").strip().lower() == "recover":
+            transfer["kv_load_failure_policy"] = "recompute"  # recover: vLLM recomputes
         self.llm = LLM(
             model=str(settings.model), skip_tokenizer_init=True, dtype=settings.dtype,
             block_size=settings.block_size, enable_prefix_caching=True,
@@ -220,7 +223,8 @@ class VllmEngine:
             # each tensor-parallel rank checks its own KV shard; "violations" is their union
             figures["violations_per_rank"] = [b - a for a, b in zip(ranks0, ranks, strict=True)]
         outputs = tuple(tuple(o.outputs[0].token_ids) for o in outs)
-        return VllmRun(figures, violations, outputs)
+        reasons = tuple(o.outputs[0].finish_reason for o in outs)
+        return VllmRun(figures, violations, outputs, finish_reasons=reasons)
 
     @property
     def mode(self) -> str:

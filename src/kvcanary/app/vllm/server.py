@@ -61,6 +61,8 @@ class VllmServer:
             "kv_connector": "KVCanaryConnector", "kv_connector_module_path": "kvcanary.adapters.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": dict(self.extra_config),
         }  # fmt: skip
+        if str(self.extra_config.get("mode", "")).strip().lower() == "recover":
+            transfer["kv_load_failure_policy"] = "recompute"  # recover: vLLM recomputes
         return [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init",

@@ -94,9 +94,17 @@ def mix3(a, b, c):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, inline="always")
+def _tile(page_size, per_token, slot):  # type: ignore[no-untyped-def]
+    """(row, first word) of `slot`'s tile. A page of one token (the common token-major layout)
+    needs no division, which would cost more than the fold itself."""
+    if page_size == 1:
+        return slot, 0
+    return slot // page_size, (slot % page_size) * per_token
+
+
+@njit(cache=True, inline="always")
 def _fold_one(words, page_size, per_token, nread, slot):  # type: ignore[no-untyped-def]
-    row = slot // page_size
-    col = (slot % page_size) * per_token
+    row, col = _tile(page_size, per_token, slot)
     acc = uint64(0)
     for w in range(nread):
         acc = splitmix64(acc ^ words[row, col + w])
@@ -107,8 +115,7 @@ def _fold_one(words, page_size, per_token, nread, slot):  # type: ignore[no-unty
 def _prefetch_tile(words, page_size, per_token, nread, slot):  # type: ignore[no-untyped-def]
     """Prefetch the words `_fold_one` reads for `slot` (first and last: a tile may straddle a
     cache line)."""
-    row = slot // page_size
-    col = (slot % page_size) * per_token
+    row, col = _tile(page_size, per_token, slot)
     _prefetch_word(words, row, col)
     _prefetch_word(words, row, col + nread - 1)
 
