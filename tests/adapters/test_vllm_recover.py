@@ -253,3 +253,20 @@ def test_worker_damage_round_trips_through_the_meta() -> None:
     assert got == WorkerDamage(damage=[Damage("a", 3, 0), Damage("b", 40, 1)],
                                sweep_blocks={4, 9})  # fmt: skip
     assert _worker_damage(CanaryWorkerMeta()) is None and _worker_damage(None) is None
+
+
+def test_recover_counters_reach_vllms_connector_stats() -> None:
+    from kvcanary.adapters.vllm.connector import RECOVER_COUNTERS, KVCanaryStats
+
+    sched = _Scheduler({"a": [3, 4]})
+    rec = SchedulerRecovery()
+    rec.bind(sched)
+    assert not any(rec.take_counters().values())
+    _step(sched, {4}, _Meta(damage=(("a", 40, 1),)))
+    first = rec.take_counters()
+    assert first == {"incidents": 1, "recoveries": 1, "recompute_tokens": B, "requests_failed": 0}
+    assert not any(rec.take_counters().values())  # deltas, not totals
+    worker = KVCanaryStats(data={"forwards": 2, "checks": 10, "sweeps": 0, "violations": {}})
+    merged = worker.aggregate(KVCanaryStats(data=first))
+    assert {k: merged.data[k] for k in RECOVER_COUNTERS} == first
+    assert merged.data["forwards"] == 2 and not KVCanaryStats(data=first).is_empty()

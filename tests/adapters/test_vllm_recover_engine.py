@@ -76,6 +76,10 @@ def test_the_server_keeps_serving_in_recover_mode(tmp_path: Path) -> None:
     assert series["kvcanary_violations_total"] > 0, text[-2000:]
     assert "kv_load_failure_policy" not in text or "recompute" in text
     assert "recomputed from block" in text  # the scheduler acted on the incidents
+    start = text.index("kv-canary: incident {") + len("kv-canary: incident ")
+    record = text[start:].splitlines()[0]
+    assert {"stage", "launch_tag", "step", "slots", "rows"} <= set(json.loads(record))
+    assert series["kvcanary_incidents_total"] > 0 and series["kvcanary_recoveries_total"] > 0
     assert "raise mode stops vLLM" not in text and "EngineCore" not in "".join(
         r.error for r in results + later
     )

@@ -63,6 +63,8 @@ logger = logging.getLogger("kvcanary")
 
 VIOLATION_TAGS = ("HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL", "SWEEP_K_FULL",
                   "SWEEP_V_FULL")  # fmt: skip
+#: scheduler-side counters of mode `recover` (`kvcanary_<name>_total` on /metrics)
+RECOVER_COUNTERS = ("incidents", "recoveries", "recompute_tokens", "requests_failed")
 VIOLATION_REASONS = ("verify_chain_hash", "verify_position", "verify_real_kv_hash",
                      "write_token", "write_position", "verify_token")  # fmt: skip
 
@@ -123,7 +125,7 @@ class KVCanaryStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Sum two intervals (or two ranks)."""
         out: dict[str, Any] = {k: int(self.data.get(k, 0)) + int(other.data.get(k, 0))
-                               for k in ("forwards", "checks", "sweeps")}  # fmt: skip
+                               for k in ("forwards", "checks", "sweeps", *RECOVER_COUNTERS)}  # fmt: skip
         v: Counter[str] = Counter(self.data.get("violations", {}))
         v.update(other.data.get("violations", {}))
         out["violations"] = dict(v)
@@ -139,7 +141,8 @@ class KVCanaryStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         """No figures in this interval."""
-        return not any(self.data.get(k) for k in ("forwards", "checks", "sweeps", "violations"))
+        return not any(self.data.get(k) for k in ("forwards", "checks", "sweeps", "violations",
+                                                  *RECOVER_COUNTERS))  # fmt: skip
 
 
 class KVCanaryPromMetrics(KVConnectorPromMetrics):
@@ -158,6 +161,10 @@ class KVCanaryPromMetrics(KVConnectorPromMetrics):
                 ("forwards", "Forwards the kvcanary checked (HEAD and TAIL)."),
                 ("checks", "KV slot checks the kvcanary ran (HEAD, TAIL, sweep)."),
                 ("sweeps", "Sweeps of vLLM's prefix cache by the kvcanary."),
+                ("incidents", "Damaged requests the kvcanary recover mode acted on."),
+                ("recoveries", "Recomputes into fresh blocks (kvcanary recover mode)."),
+                ("recompute_tokens", "Positions recomputed after kvcanary incidents."),
+                ("requests_failed", "Requests ended with an error by kvcanary recover mode."),
             )
         }
         self._violations = c(name="kvcanary_violations",
@@ -310,8 +317,12 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Deltas for /metrics and vLLM's log (None when nothing happened)."""
+        """Deltas for /metrics and vLLM's log (None when nothing happened); the scheduler half
+        reports mode `recover`'s counters."""
         w = self.worker
+        if w is None and self.recovery is not None:
+            data = self.recovery.take_counters()
+            return KVCanaryStats(data=data) if any(data.values()) else None
         if w is None or w.figures.is_empty():
             return None
         f = w.take_figures()

@@ -26,6 +26,7 @@ test (tests/adapters/test_vllm_hooks.py) and listed in docs/architecture.md.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -112,6 +113,8 @@ def worker_damage(worker: Any) -> WorkerDamage:
     incidents = canary.take_incidents() if canary is not None else []
     if not incidents:
         return WorkerDamage()
+    for incident in incidents:  # the structured record, one JSON object per incident
+        logger.warning("kv-canary: incident %s", json.dumps(incident.as_json()))
     runner = worker.runner
     ib = runner.input_batch
     requests = runner.requests
@@ -167,6 +170,16 @@ class SchedulerRecovery:
         self.attempts: Counter[str] = Counter()
         self._scheduler: Any = None
         self._pending: WorkerDamage | None = None
+        self._reported: dict[str, int] = {}
+
+    def take_counters(self) -> dict[str, int]:
+        """`RECOVER_COUNTERS` deltas since the previous call (for vLLM's connector stats)."""
+        now = {"incidents": self.figures.incidents, "recoveries": self.figures.recoveries,
+               "recompute_tokens": self.figures.recompute_tokens,
+               "requests_failed": self.figures.failed}  # fmt: skip
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        return delta
 
     @property
     def bound(self) -> bool:
