@@ -143,6 +143,10 @@ BAD: list[tuple[list[str], dict[str, str], str, str]] = [
     (["selftest", "--transfers"], {"KVCANARY_RING_CAPACITY": "64"}, "KVCANARY_RING_CAPACITY=64", "--transfers"),
     (["selftest", "--transfers"], {"KVCANARY_RING_CAPACITY": "x"}, "KVCANARY_RING_CAPACITY", "'x'"),
     (["selftest", "--transfers"], FAULT, "KVCANARY_PERTURB_LATE_WRITE_PROB", "is set"),
+    # a plant the run could never trigger is refused, not a silent clean run (exit 0)
+    (["run", "--plant", "spec_rollback_stale", "--speculative-num-draft-tokens", "0"], {},
+     "--speculative-num-draft-tokens", "is 0"),
+    (["run", "--plant", "spec_rollback_stale", "--model", "oracle"], {}, "--model", "oracle"),
     # selftest --transfers: the same seed checks, its own names, no silently ignored flag
     (["selftest", "--transfers", "--seeds", "0"], {}, "--seeds", "got 0"),
     (["selftest", "--transfers", "--first-seed", "-1"], {}, "--first-seed", "got -1"),

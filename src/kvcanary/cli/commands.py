@@ -55,6 +55,7 @@ from kvcanary.cli.validate import (
     canary_config,
     canary_knobs,
     check_choice,
+    check_plant_fixture,
     check_reference_engine_env,
     check_run_sizes,
 )
@@ -209,6 +210,7 @@ def run(
     config = canary_config(kv_canary, kv_canary_real_data, kv_canary_sweep_interval, os.environ,
                            explicit=explicit)  # fmt: skip
     check_reference_engine_env(config, model)
+    check_plant_fixture(plants, model, speculative_num_draft_tokens)
     if plants and not config.enabled:
         raise BadInput(f"--plant {plants[0]} with --kv-canary none: nothing would catch it; "
                        "pass --kv-canary log")  # fmt: skip

@@ -20,6 +20,7 @@ __all__ = [
     "canary_config",
     "canary_knobs",
     "check_choice",
+    "check_plant_fixture",
     "check_reference_engine_env",
     "check_run_sizes",
     "longest_request",
@@ -114,6 +115,22 @@ def check_reference_engine_env(config: CanaryConfig, model: str) -> None:
     if config.enable_token_oracle and model != "oracle":
         raise BadInput(f"KVCANARY_ENABLE_TOKEN_ORACLE=1 needs the token oracle, but --model is "
                        f"{model}; add --model oracle (or unset the variable)")  # fmt: skip
+
+
+def check_plant_fixture(plants: Sequence[str], model: str, draft_tokens: int) -> None:
+    """A planted bug the run could never trigger is bad input, not a silent clean run: the
+    speculative-rollback plant needs drafts that get rejected, so speculation on and the tiny
+    model (the token oracle's drafts are always accepted)."""
+    if "spec_rollback_stale" not in plants:
+        return
+    if draft_tokens == 0:
+        raise BadInput("--plant spec_rollback_stale needs speculative decoding, but "
+                       "--speculative-num-draft-tokens is 0 (it would never fire); pass "
+                       "--speculative-num-draft-tokens 2")  # fmt: skip
+    if model == "oracle":
+        raise BadInput("--plant spec_rollback_stale needs rejected drafts, but --model oracle "
+                       "accepts every draft (it would never fire); drop --model oracle (use the "
+                       "tiny model)")  # fmt: skip
 
 
 def longest_request(spec: WorkloadSpec) -> int:
