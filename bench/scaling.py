@@ -24,7 +24,7 @@ this thread with the default `--threads 1`), so that other processes on a shared
 add their time slices to it; the hooks' wall-clock time is printed beside it.
 
     python bench/scaling.py [--quick] [--batches 1,4,16,64,256] [--contexts 256,1024,4096,16384]
-                            [--max-entries 524288] [--steps 7] [--json PATH]
+                            [--max-entries 524288] [--steps 21] [--json PATH]
 
 `--quick` runs a 2 x 2 grid with 3 steps (a smoke test, seconds). Cells with more than
 `--max-entries` context tokens (B x L) are skipped to bound memory and time.
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,4,16,64,256", help="comma-separated batch sizes")
     p.add_argument("--contexts", default="256,1024,4096,16384", help="comma-separated prompt lens")
     p.add_argument("--max-entries", type=int, default=1 << 19, help="skip cells with B x L above")
-    p.add_argument("--steps", type=int, default=7, help="timed decode steps per cell")
+    p.add_argument("--steps", type=int, default=21, help="timed decode steps per cell")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per cell")
     p.add_argument("--flush-mb", type=int, default=0, help="MiB read before each step")
     p.add_argument("--kv-heads", type=int, default=1, help="pool K/V heads (x head_dim 64, fp32)")

@@ -90,3 +90,23 @@ def test_the_server_keeps_serving_in_recover_mode(tmp_path: Path) -> None:
             r.status == 500 and "Internal server error" in r.error
         ), (r.status, r.tokens, r.error[:300])
     assert sum(r.status == 200 for r in results + later) > 0
+
+
+def test_a_plain_recover_run_reports_incidents_recoveries_and_failures(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_")} | {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVCANARY_PERTURB_REAL_KV_USED_PROB": "0.3",
+        "KVCANARY_PERTURB_TARGET_GROUP": "full", "KVCANARY_PERTURB_WARMUP_STEPS": "5",
+    }  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcanary.cli", "vllm", "--kv-canary", "recover", "--requests",
+         "16", "--max-tokens", "16", "--dtype", "float32", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=1800,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]  # violations found (and acted on)
+    figures = json.loads(out.read_text())
+    assert figures["canary_mode"] == "recover" and figures["violations"] > 0
+    assert figures["incidents"] > 0 and figures["recoveries"] > 0
+    assert figures["recompute_tokens"] > 0
+    assert figures["requests_finished"] + figures["requests_failed"] == 16
+    assert "incidents" in result.stdout and "requests_failed" in result.stdout

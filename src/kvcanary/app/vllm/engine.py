@@ -213,6 +213,11 @@ class VllmEngine:
             "tensor_parallel_size": self.settings.tensor_parallel_size,
             "seed": seed,
         }
+        if self.mode.strip().lower() == "recover":  # the scheduler half's counters (/metrics)
+            for key in ("incidents", "recoveries", "recompute_tokens"):
+                figures[key] = int(d.get(f"kvcanary_{key}", 0))
+            figures["requests_failed"] = sum(o.outputs[0].finish_reason == "error" for o in outs)
+            figures["requests_finished"] -= figures["requests_failed"]
         if self.canary_on:
             figures["chunked_prefill_rows"] = int(counters["chunked_prefill_rows"]
                                                   - counters0["chunked_prefill_rows"])
