@@ -52,6 +52,9 @@ class DisaggOptions:
     fault_warmup_steps: int = 8
     host_tier_pages: int = 0
     transfer_steps: int = 2  # decode steps between reserving a transfer and landing it
+    # request ids the client aborts one step after the decode side sent their order (while the
+    # transfer is in flight), whatever the workload says: fixtures use it to guarantee the race
+    abort_in_flight: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +148,21 @@ def _decode_loop(
                             warmup_steps=opts.fault_warmup_steps,
                             step_of=lambda: canary.step if canary is not None else steps)  # fmt: skip
     transfers = DecodeTransfers(engine.scheduler, stack.pool, sidecars_of(stack), staging, faults)
-    planned = deque(build_workload(settings.workload))
+    workload = build_workload(settings.workload)
+    planned = deque(workload)
     incoming: deque[Any] = deque()
     aborts: dict[int, list[str]] = {}
+    # when an abort's delay starts: from arrival for half of the aborted requests (under load
+    # these mostly catch requests still queued), from admission for the other half (a delay of
+    # 1-2 steps is then within the transfer, longer ones catch the request decoding)
+    delays = {p.request_id: p.abort_after_steps for p in workload if p.abort_after_steps is not None}
+    from_admission = {p.request_id for k, p in enumerate(workload)
+                      if p.abort_after_steps is not None and k % 2 == 1}  # fmt: skip
+    for rid in opts.abort_in_flight:
+        delays[rid] = 1
+        from_admission.add(rid)
+    will_abort = set(delays)
+    abort_points = {"queued": 0, "in_flight": 0, "running": 0, "after_finish": 0}
     stopped, outcomes = False, {"landed": 0, "finished": 0, "rejected": 0, "discarded": 0}
     due: dict[str, int] = {}
     arrived: dict[str, PrefillDone] = {}
@@ -157,25 +172,38 @@ def _decode_loop(
         while planned and planned[0].arrival_step <= steps:
             p = planned.popleft()
             incoming.append(p)
-            if p.abort_after_steps is not None:
-                aborts.setdefault(steps + p.abort_after_steps, []).append(p.request_id)
+            if p.request_id in delays and p.request_id not in from_admission:
+                aborts.setdefault(steps + delays[p.request_id], []).append(p.request_id)
         for rid in aborts.pop(steps, []):
             if transfers.abort(rid):
+                abort_points["in_flight"] += 1
                 continue  # its completion is still due; it will be discarded
-            if not engine.abort(rid):
-                waiting = [p for p in incoming if p.request_id == rid]
-                if waiting:
-                    incoming.remove(waiting[0])
-                    aborted_before += 1
+            if engine.abort(rid):
+                abort_points["running"] += 1
+                continue
+            waiting = [p for p in incoming if p.request_id == rid]
+            if waiting:
+                incoming.remove(waiting[0])
+                aborted_before += 1
+                abort_points["queued"] += 1
+            else:
+                abort_points["after_finish"] += 1
         while incoming:
             p = incoming[0]
+            if p.request_id in from_admission:
+                aborts.setdefault(steps + delays[p.request_id], []).append(p.request_id)
             order = transfers.begin(p.request_id, p.prompt, p.max_new_tokens,
-                                    stack.sampling(p.request_id), steps)  # fmt: skip
+                                    stack.sampling(p.request_id), steps,
+                                    may_fault=p.request_id not in will_abort)  # fmt: skip
             if order is None:
+                if p.request_id in from_admission:  # not admitted after all
+                    aborts[steps + delays[p.request_id]].remove(p.request_id)
                 if not engine.has_work() and not due:  # nothing will free room
                     engine.add_request(p.request_id, p.prompt, p.max_new_tokens,
                                        stack.sampling(p.request_id))  # fmt: skip
                     incoming.popleft()
+                    if p.request_id in from_admission:
+                        aborts.setdefault(steps + delays[p.request_id], []).append(p.request_id)
                     continue
                 break
             conn.send(order)
@@ -204,7 +232,7 @@ def _decode_loop(
     stats = engine.stats()
     outputs = {
         p.request_id: tuple(engine.request(p.request_id).output)
-        for p in build_workload(settings.workload)
+        for p in workload
         if _finished(engine, p.request_id)
     }
     t = transfers.stats
@@ -212,6 +240,9 @@ def _decode_loop(
         "requests_finished": stats.requests_finished,
         "requests_aborted": stats.requests_aborted + aborted_before,
         "aborted_in_flight": t.aborted_in_flight,
+        "aborted_queued": abort_points["queued"],
+        "aborted_running": abort_points["running"],
+        "aborts_after_finish": abort_points["after_finish"],
         "transfers": t.transfers,
         "transferred_tokens": t.landed_tokens,
         "decode_cached_tokens": t.cached_tokens,

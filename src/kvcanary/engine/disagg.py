@@ -40,6 +40,9 @@ class PrefillOrder:
     dst_slots: tuple[int, ...]  # the decode slots the pages will land in (for fault journals)
     sampling: SamplingSpec
     decode_step: int
+    # a sender-side self-test fault may hit this order: the decode side will land it (it is not
+    # to be aborted meanwhile), so a firing is never wasted on a discarded completion
+    may_fault: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +70,12 @@ def stage_prefilled(
     start, prompt = order.start, order.prompt
     src = slots[start:]
     fault = None
-    if faults is not None and faults.armed("contiguous_block_ids") and sidecars.carries_sidecars:
+    if (
+        faults is not None
+        and order.may_fault
+        and faults.armed("contiguous_block_ids")
+        and sidecars.carries_sidecars
+    ):
         # the sender reads block `src[0] + j` for page j, as a connector assuming contiguous ids
         assumed = [src[0] + j for j in range(len(src))]
         if assumed != src and assumed[-1] < pool.num_slots:
@@ -142,10 +150,11 @@ class DecodeTransfers:
 
     def begin(
         self, request_id: str, prompt: tuple[int, ...], max_new_tokens: int,
-        sampling: SamplingSpec, step: int,
+        sampling: SamplingSpec, step: int, *, may_fault: bool = True,
     ) -> PrefillOrder | None:  # fmt: skip
         """Reserve for a new request and return the order to send; None when the decode side
-        has no row, slots or staging pages for it now (retry later)."""
+        has no row, slots or staging pages for it now (retry later). `may_fault`: whether a
+        sender-side self-test fault may pick this order (False for one due to be aborted)."""
         if self._pages.num_free < len(prompt):
             return None
         got = self._scheduler.begin_transfer(request_id, prompt, max_new_tokens, sampling)
@@ -158,7 +167,8 @@ class DecodeTransfers:
         self._in_flight[request_id] = _InFlight(req, matched, list(slots), pages)
         self.stats.transfers += 1
         self.stats.cached_tokens += matched
-        return PrefillOrder(request_id, prompt, matched, tuple(pages), tuple(slots), sampling, step)
+        return PrefillOrder(request_id, prompt, matched, tuple(pages), tuple(slots), sampling, step,
+                            may_fault)  # fmt: skip
 
     def abort(self, request_id: str) -> bool:
         """Abort a request whose KV is in flight: free its reservation now (the staging pages
@@ -226,9 +236,11 @@ class DecodeTransfers:
         faults = self._faults
         if faults is None or not faults.armed("late_landing"):
             return False
-        alloc = self._scheduler.kv.allocator
         reserved = {s for e in self._in_flight.values() for s in e.slots}
-        held = [j for j, s in enumerate(late.slots) if alloc.refcount(s) > 0 and s not in reserved]
+        # only slots a new holder has already written: a slot it is still to write would hide
+        # the late bytes (its own write comes after), so the damage would never be readable
+        written = self._written_slots()
+        held = [j for j, s in enumerate(late.slots) if s in written and s not in reserved]
         if not held:
             return False
         m = late.matched
@@ -239,6 +251,14 @@ class DecodeTransfers:
                       f"transfer of aborted {late.req.request_id!r} landed after its slots were "
                       f"freed and reallocated ({len(pick)} slots)")  # fmt: skip
         return True
+
+    def _written_slots(self) -> set[int]:
+        """Slots whose KV a holder has written: the prefix cache and running requests' computed
+        positions."""
+        out = {s for s, _, _ in self._scheduler.prefix_cache.walk()}
+        for req in self._scheduler.running:
+            out.update(req.slots[: req.num_computed])
+        return out
 
     def _successors(self, slots: set[int]) -> tuple[list[int], list[int]]:
         """Where the damage shows next: slots whose predecessor (in a running request or the
