@@ -340,20 +340,23 @@ def _serve_run(settings: Any, config: Any, requests: int, seed: int, max_tokens:
     exit_on_violations(figures, seed)
 
 
-def _campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
-    from kvcanary.app.selftest.report import campaign_json, campaign_passed, result_table
-    from kvcanary.app.vllm.campaign import replay_command, run_vllm_campaign
-
-    logging.getLogger("kvcanary").setLevel(logging.ERROR)  # rows go to the table and JSON
-    total = spec.seeds * (1 + len(spec.modes))
+def _with_progress(run: Any, engine: Any, spec: Any) -> Any:
+    """Run a campaign (`run(engine, spec, on_case)`) behind one progress bar, a tick per case;
+    kvcanary's own log lines are quieted: the rows go to the table and JSON."""
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TimeElapsedColumn(), console=err_console,
     ) as bar:  # fmt: skip
-        task = bar.add_task("campaign", total=total)
-        baseline, summaries = run_vllm_campaign(
-            engine, spec, lambda msg: bar.update(task, advance=1, description=msg)
-        )
+        task = bar.add_task("campaign", total=spec.seeds * (1 + len(spec.modes)))
+        return run(engine, spec, lambda msg: bar.update(task, advance=1, description=msg))
+
+
+def _campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
+    from kvcanary.app.selftest.report import campaign_json, campaign_passed, result_table
+    from kvcanary.app.vllm.campaign import replay_command, run_vllm_campaign
+
+    baseline, summaries = _with_progress(run_vllm_campaign, engine, spec)
     table = result_table(baseline, summaries)
     table.title = f"kvcanary vllm faults ({table.title})"
     Console().print(table)
@@ -386,16 +389,7 @@ def _recover_campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
         run_vllm_recover_campaign,
     )
 
-    logging.getLogger("kvcanary").setLevel(logging.ERROR)  # rows go to the table and JSON
-    total = spec.seeds * (1 + len(spec.modes))
-    with Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=err_console,
-    ) as bar:  # fmt: skip
-        task = bar.add_task("campaign", total=total)
-        baseline, per_mode = run_vllm_recover_campaign(
-            engine, spec, lambda msg: bar.update(task, advance=1, description=msg)
-        )
+    baseline, per_mode = _with_progress(run_vllm_recover_campaign, engine, spec)
     rows = recover_rows(baseline, per_mode)
     table = Table(title=f"kvcanary vllm --kv-canary recover ({spec.seeds} seeds, "
                         f"{spec.requests} requests each, against the fault-free run)")  # fmt: skip

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvcanary.adapters.vllm.callers import calling_instance
 from kvcanary.adapters.vllm.install import config_from
 from kvcanary.adapters.vllm.recover import SchedulerRecovery, calling_scheduler, worker_damage
 from kvcanary.adapters.vllm.state import STATE
@@ -196,13 +196,7 @@ def _calling_runner() -> Any:
     the connector the caches but not the runner whose persistent batch describes each forward)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, GPUModelRunner):
-            return candidate
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return calling_instance(GPUModelRunner)
 
 
 class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):

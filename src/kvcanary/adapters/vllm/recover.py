@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcanary.adapters.vllm.callers import calling_instance
 from kvcanary.contract import Incident
 
 __all__ = [
@@ -132,13 +132,7 @@ def calling_scheduler() -> Any:
     connector its cache manager, not the scheduler whose update it must act in)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Scheduler):
-            return candidate
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return calling_instance(Scheduler)
 
 
 @dataclass
