@@ -8,12 +8,18 @@ from dataclasses import replace
 
 import pytest
 
-from kvcanary.app.disagg import DisaggOptions, run_disaggregated, serve_disaggregated
+from kvcanary.app.disagg import (
+    DisaggOptions,
+    receiver_settings,
+    run_disaggregated,
+    serve_disaggregated,
+)
 from kvcanary.app.selftest.transfers import (
     TRANSFER_EXPECTED_REASONS,
     host_settings,
     run_disagg_case,
 )
+from kvcanary.canary import CanaryConfig, CanaryMode
 from kvcanary.engine.transfer_faults import DISAGG_FAULTS
 
 pytestmark = pytest.mark.slow
@@ -53,3 +59,25 @@ def test_disagg_fault_caught_one_to_one(fault: str) -> None:
 def test_disagg_clean_baseline_is_silent() -> None:
     case = run_disagg_case(None, 0, 24)
     assert case.violations == 0 and case.outputs_identical
+
+
+@pytest.mark.parametrize("seed", [3, 14])
+def test_late_landing_of_a_whole_consistent_chain_is_caught_at_the_first_read(seed: int) -> None:
+    """Seeds 3 and 14: the aborted request's slots go, in the same order, to the next request at
+    the same positions, so the late landing brings a complete chain (HEAD_HASH at position 0,
+    every link, position and fingerprint consistent) that chain/position/real-KV checks pass.
+    The receiver knows its tokens: verify-token catches it at the holder's first read."""
+    case = run_disagg_case("late_landing", seed, 6)
+    c = case.correlation
+    assert len(c.faults) == 1 and c.one_to_one, (c.faults, c.false_alarms[:3])
+    assert c.latencies == (0,)
+    assert "verify_token" in c.reasons_seen
+    assert case.outputs_identical
+
+
+def test_receiver_settings_turn_the_verify_token_assert_on() -> None:
+    base = host_settings(0, 4)
+    assert base.canary.enabled and not base.canary.enable_verify_token_assert
+    assert receiver_settings(base).canary.enable_verify_token_assert
+    off = replace(base, canary=CanaryConfig(mode=CanaryMode.NONE))
+    assert receiver_settings(off) == off

@@ -37,7 +37,13 @@ from kvcanary.engine.kv_staging import KvStaging, staging_bytes
 from kvcanary.engine.request import RequestStatus
 from kvcanary.engine.transfer_faults import TransferFaultRecord, TransferFaults
 
-__all__ = ["DisaggOptions", "DisaggResult", "run_disaggregated", "serve_disaggregated"]
+__all__ = [
+    "DisaggOptions",
+    "DisaggResult",
+    "receiver_settings",
+    "run_disaggregated",
+    "serve_disaggregated",
+]
 
 _WAIT_S = 600.0  # a silent peer for this long means it died (a loaded machine can take minutes to start one)
 
@@ -137,9 +143,26 @@ def _decode_main(conn: Connection, out: Connection, shm_name: str, settings: Run
         shm.close()
 
 
+def receiver_settings(settings: RunSettings) -> RunSettings:
+    """The decode side's settings: with a canary on, its verify-token assert is on too.
+
+    The receiver knows every token it holds (its engine publishes truth tokens, SPEC §14.4), and
+    only the tokens tell a foreign chain from the holder's own: a late landing of an aborted
+    transfer into slots reallocated, in the same order, to a request at the same positions
+    brings a complete, self-consistent chain (HEAD_HASH at position 0, every link, position and
+    real-KV fingerprint matching the bytes that landed), which chain, position and real-KV
+    checks pass by design (SPEC §1.2 item 2). `verify_token` catches it at the holder's first
+    read.
+    """
+    if not settings.canary.enabled or settings.canary.enable_verify_token_assert:
+        return settings
+    return replace(settings, canary=replace(settings.canary, enable_verify_token_assert=True))
+
+
 def _decode_loop(
     conn: Connection, staging: KvStaging, settings: RunSettings, opts: DisaggOptions
 ) -> DisaggResult:
+    settings = receiver_settings(settings)
     stack = build_stack(settings)
     engine, canary = stack.engine, stack.canary
     host = attach_host_tier(stack, opts.host_tier_pages) if opts.host_tier_pages else None
@@ -260,6 +283,7 @@ def _decode_loop(
         "host_restores": host.stats.restores if host else 0,
         "wall_seconds": round(time.perf_counter() - start, 3),
         "canary_mode": settings.canary.mode.value,
+        "decode_verify_token_assert": settings.canary.enable_verify_token_assert,
         "seed": settings.workload.seed,
     }
     return DisaggResult(figures, outputs, tuple(stack.hooks.violations), tuple(reply[1]),
