@@ -275,6 +275,13 @@ def _decode_loop(
         "tokens_generated": stats.tokens_generated,
         "engine_steps": steps,
         "retractions": stats.retractions,
+        "incidents": stats.incidents,
+        "recoveries": stats.recoveries,
+        "requests_failed": stats.requests_failed,
+        "recomputed_requests": sorted(
+            p.request_id for p in workload if _recoveries(engine, p.request_id)
+        ),
+        "rejected_landing_requests": list(t.rejected_requests),
         "evictions": stats.evictions,
         "radix_hit_tokens": stats.radix_hit_tokens,
         "sweep_passes": canary.sweep_passes if canary else 0,
@@ -288,6 +295,13 @@ def _decode_loop(
     }
     return DisaggResult(figures, outputs, tuple(stack.hooks.violations), tuple(reply[1]),
                         tuple(faults.journal), stopped)  # fmt: skip
+
+
+def _recoveries(engine: Any, request_id: str) -> int:
+    try:
+        return int(engine.request(request_id).recoveries)
+    except KeyError:
+        return 0
 
 
 def _finished(engine: Any, request_id: str) -> bool:

@@ -15,7 +15,7 @@ Messages are frozen dataclasses of ints, tuples and bytes, so any byte transport
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcanary.contract import SidecarRecords, SidecarTransfer
 from kvcanary.engine.kv_pool import KvPool
@@ -111,6 +111,7 @@ class DecodeStats:
     rejected: int = 0
     aborted_in_flight: int = 0
     late_completions: int = 0
+    rejected_requests: list[str] = field(default_factory=list)  # whose landing failed verify
 
 
 _LATE_PATIENCE = 64  # steps a late completion waits for its old slots to be reallocated
@@ -218,6 +219,7 @@ class DecodeTransfers:
         if bad:
             self._scheduler.cancel_transfer(req, aborted=False)
             self.stats.rejected += 1
+            self.stats.rejected_requests.append(req.request_id)
             return "rejected"
         self.stats.landed_tokens += len(entry.slots)
         return "finished" if self._scheduler.finish_transfer(req, done.first_token) else "landed"
@@ -247,9 +249,12 @@ class DecodeTransfers:
         pick = [late.slots[j] for j in held]
         write_pages(self._pool, self._sidecars, pick, _subset(kv, held))
         successors, after = self._successors(set(pick))
+        holders = sorted(r.request_id for r in self._scheduler.running
+                         if not set(pick).isdisjoint(r.slots[: r.num_computed]))  # fmt: skip
         faults.record("late_landing", [*pick, *successors], [*(m + j for j in held), *after],
                       f"transfer of aborted {late.req.request_id!r} landed after its slots were "
-                      f"freed and reallocated ({len(pick)} slots)")  # fmt: skip
+                      f"freed and reallocated ({len(pick)} slots, held by "
+                      f"{', '.join(map(repr, holders)) or 'the prefix cache only'})")  # fmt: skip
         return True
 
     def _written_slots(self) -> set[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvcanary.app.host_tier import attach_host_tier, check_outputs
 from kvcanary.app.reference import ReferenceOutputs
@@ -29,10 +30,15 @@ from kvcanary.engine.transfer_faults import (
     TransferFaults,
 )
 
+if TYPE_CHECKING:
+    from kvcanary.app.disagg import DisaggOptions
+
 __all__ = [
     "TRANSFER_EXPECTED_REASONS",
     "TransferCase",
     "TransferSummary",
+    "disagg_options",
+    "disagg_settings",
     "faults_of_transfers",
     "host_settings",
     "run_disagg_case",
@@ -138,19 +144,30 @@ def run_host_case(fault: str | None, seed: int, requests: int) -> TransferCase:
                         check.identical)  # fmt: skip
 
 
-def run_disagg_case(fault: str | None, seed: int, requests: int) -> TransferCase:
-    """Serve the fixture across a prefill and a decode process with `fault` switched on."""
-    from kvcanary.app.disagg import DisaggOptions, serve_disaggregated
-
-    # more aborts and a steadier arrival rate, so aborts hit transfers in flight (the race)
-    settings = host_settings(
+def disagg_settings(seed: int, requests: int) -> RunSettings:
+    """The disaggregated fixture: the host fixture with more aborts and a steadier arrival
+    rate, so aborts hit transfers in flight (the race)."""
+    return host_settings(
         seed, requests, abort_fraction=0.3, arrivals_per_step=1, arrival_interval_steps=3
     )
-    # some clients give up while their transfer is in flight, whatever the seed: the race
-    # `late_landing` needs (and that every clean baseline must survive) always happens
-    opts = DisaggOptions(faults=(fault,) if fault else (), fault_seed=seed, fault_warmup_steps=8,
+
+
+def disagg_options(fault: str | None, seed: int) -> DisaggOptions:
+    """`fault` (None: clean) on the fixture; some clients give up while their transfer is in
+    flight, whatever the seed: the race `late_landing` needs (and that every clean baseline must
+    survive) always happens."""
+    from kvcanary.app.disagg import DisaggOptions
+
+    return DisaggOptions(faults=(fault,) if fault else (), fault_seed=seed, fault_warmup_steps=8,
                          abort_in_flight=IN_FLIGHT_ABORTS)  # fmt: skip
-    result = serve_disaggregated(settings, opts)
+
+
+def run_disagg_case(fault: str | None, seed: int, requests: int) -> TransferCase:
+    """Serve the fixture across a prefill and a decode process with `fault` switched on."""
+    from kvcanary.app.disagg import serve_disaggregated
+
+    settings = disagg_settings(seed, requests)
+    result = serve_disaggregated(settings, disagg_options(fault, seed))
     window = settings.canary.sweep_interval if fault == "late_landing" else 0
     found = faults_of_transfers(result.journal, window=window)
     check = ReferenceOutputs(settings).check(build_workload(settings.workload), result.outputs)
