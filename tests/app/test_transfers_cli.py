@@ -53,3 +53,23 @@ def test_selftest_transfers_bad_mode_is_exit_2() -> None:
     result = RUNNER.invoke(app, ["selftest", "--transfers", "--modes", "bogus"])
     assert result.exit_code == 2
     assert "--modes: unknown transfer fault 'bogus'" in result.output
+
+
+def test_selftest_transfers_recover_contains_a_bad_restore(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    result = RUNNER.invoke(app, ["selftest", "--transfers", "--kv-canary", "recover", "--places",
+                                 "host", "--seeds", "1", "--modes", "stale_host_copy", "--json",
+                                 str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["passed"] and doc["mode"] == "recover" and doc["clean_baseline"]["incidents"] == 0
+    (row,) = doc["results"]
+    assert row["seeds_contained"] == 1 and row["rejected_landings"] == 1
+    assert row["requests_recomputed"] == 0 and row["requests_failed"] == 0
+
+
+def test_selftest_transfers_refuses_raise_and_model_without_recover() -> None:
+    bad = RUNNER.invoke(app, ["selftest", "--transfers", "--kv-canary", "raise"])
+    assert bad.exit_code == 2 and "--kv-canary must be log or recover" in bad.output
+    model = RUNNER.invoke(app, ["selftest", "--transfers", "--model", "tiny"])
+    assert model.exit_code == 2 and "--model tiny does not apply" in model.output

@@ -524,12 +524,24 @@ def _selftest_transfers(
     """`selftest --transfers`: checks its flags, runs it and exits with its status."""
     from kvcanary.app.selftest.transfers_cli import selftest_transfers
 
-    unused = {"plants": "--plants", "html_path": "--html", "kv_canary": "--kv-canary",
-              "model": "--model"}  # fmt: skip
+    try:
+        mode = parse_mode(ctx.params["kv_canary"])
+        if mode not in (CanaryModeValue.LOG, CanaryModeValue.RECOVER):
+            raise ValueError(f"--kv-canary must be log or recover, got {ctx.params['kv_canary']!r}; "
+                             "pass --kv-canary log (or recover)")  # fmt: skip
+    except ValueError as exc:
+        raise BadInput(explain(str(exc), {"kv_canary": "--kv-canary"})) from None
+    recover = mode is CanaryModeValue.RECOVER
+    if model not in (None, "tiny", "oracle"):
+        raise BadInput(f"--model must be tiny or oracle, got {model!r}; pass --model tiny")
+    unused = {"plants": "--plants", "html_path": "--html"}
+    if not recover:
+        unused["model"] = "--model"
     for flag in sorted(_explicit(ctx, unused)):
         value = ctx.params[next(p for p, f in unused.items() if f == flag)]
         raise BadInput(f"{flag} {value} does not apply to selftest --transfers (the transfer "
-                       "faults run on the token oracle in log mode); drop it or drop --transfers")  # fmt: skip
+                       "faults run on the token oracle; --model only with --kv-canary recover); "
+                       "drop it or drop --transfers")  # fmt: skip
     if knobs := _selftest_knobs(model):
         var = "KVCANARY_" + knobs[0][0].upper()  # the variable that set this field
         raise BadInput(f"{var}={os.environ.get(var, knobs[0][1])} is set, but selftest "
@@ -540,6 +552,11 @@ def _selftest_transfers(
         faults, where = transfer_selection(modes, places)
     except ValueError as exc:
         raise BadInput(explain(str(exc), {})) from None
+    if recover:
+        from kvcanary.app.selftest.transfers_cli import selftest_transfers_recover
+
+        status = selftest_transfers_recover(faults, where, seeds, json_path, model or "oracle")
+        raise typer.Exit(status)
     raise typer.Exit(selftest_transfers(faults, where, seeds, json_path))
 
 
