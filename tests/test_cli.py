@@ -155,7 +155,7 @@ BAD: list[tuple[list[str], dict[str, str], str, str]] = [
     (["selftest", "--transfers", "--places", "none"], {}, "--places", "'none'"),
     (["selftest", "--transfers", "--html", "r.html"], {}, "--html", "r.html"),
     (["selftest", "--transfers", "--plants", "all"], {}, "--plants", "all"),
-    (["selftest", "--transfers", "--kv-canary", "recover"], {}, "--kv-canary", "recover"),
+    (["selftest", "--transfers", "--kv-canary", "raise"], {}, "--kv-canary", "raise"),
     (["selftest", "--transfers", "--model", "tiny"], {}, "--model", "tiny"),
     (["selftest", "--transfers", "--json", "missing/t.json"], {}, "--json", "missing/t.json"),
 ]  # fmt: skip
