@@ -49,12 +49,14 @@ class DisaggResult:
 
 
 def staging_of(shm: SharedMemory, settings: RunSettings, pages: int) -> KvStaging:
+    """The staging pages of the shared segment `shm`, shaped for `settings.model`."""
     m = settings.model
     return KvStaging(shm.buf, num_pages=pages, num_layers=m.num_layers, heads=m.num_kv_heads,
                      dim=m.head_dim, dtype=m.torch_dtype)  # fmt: skip
 
 
 def recv(conn: Connection, what: str) -> Any:
+    """The next message from the peer `what`; RuntimeError after `WAIT_S` of silence."""
     if not conn.poll(WAIT_S):
         raise RuntimeError(f"kvcanary disaggregate: no message from the {what} for {WAIT_S}s")
     return conn.recv()
