@@ -88,6 +88,7 @@ def _decode_loop(
     arrived: dict[str, PrefillDone] = {}
     aborted_before = 0
     start = time.perf_counter()
+    ran: set[str] = set()  # requests whose chunk the last forward ran
     while planned or incoming or engine.has_work() or due:
         while planned and planned[0].arrival_step <= steps:
             p = planned.popleft()
@@ -137,9 +138,11 @@ def _decode_loop(
                 msg = recv(conn, "prefill process")
                 arrived[msg.request_id] = msg
             outcomes[transfers.complete(arrived.pop(rid))] += 1
-        transfers.tick()
+        transfers.tick(ran)
+        ran = set()
         try:
-            engine.step()
+            plan = engine.step().plan
+            ran = {c.request_id for c in plan.chunks} if plan is not None else set()
         except CanaryViolationError:
             stopped = True
         steps += 1
@@ -168,6 +171,7 @@ def _decode_loop(
         "decode_cached_tokens": t.cached_tokens,
         "rejected_landings": t.rejected,
         "late_completions_discarded": t.late_completions,
+        "late_landings_unread": t.late_landings_unread,
         "prefill_requests_finished": reply[2],
         "tokens_generated": stats.tokens_generated,
         "engine_steps": steps,

@@ -15,12 +15,14 @@ Messages are frozen dataclasses of ints, tuples and bytes, so any byte transport
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kvcanary.contract import SidecarRecords, SidecarTransfer
 from kvcanary.engine.kv_pool import KvPool
 from kvcanary.engine.kv_staging import KvStaging, StagingPages
 from kvcanary.engine.landing import KvPages, land_pages, read_pages, write_pages
+from kvcanary.engine.late_watch import LateWatch
 from kvcanary.engine.plan import SamplingSpec
 from kvcanary.engine.request import Request
 from kvcanary.engine.scheduler import Scheduler
@@ -111,6 +113,7 @@ class DecodeStats:
     rejected: int = 0
     aborted_in_flight: int = 0
     late_completions: int = 0
+    late_landings_unread: int = 0  # late_landing firings dropped unread (`engine.late_watch`)
     rejected_requests: list[str] = field(default_factory=list)  # whose landing failed verify
 
 
@@ -138,6 +141,7 @@ class DecodeTransfers:
         self._in_flight: dict[str, _InFlight] = {}
         self._cancelled: dict[str, _InFlight] = {}
         self._late: list[tuple[_InFlight, KvPages, int]] = []
+        self._watch: LateWatch | None = None
         self.stats = DecodeStats()
 
     @property
@@ -224,10 +228,21 @@ class DecodeTransfers:
         self.stats.landed_tokens += len(entry.slots)
         return "finished" if self._scheduler.finish_transfer(req, done.first_token) else "landed"
 
-    def tick(self) -> None:
+    def tick(self, ran: Collection[str] = ()) -> None:
         """Once per step, before the forward: `late_landing` writes a discarded completion into
         its old slots as soon as another holder has them (reallocated and written since the
-        abort); a completion still unplaced after a while is dropped."""
+        abort); a completion still unplaced after a while is dropped. A landing its holders
+        dropped before any forward read it is taken back (`engine.late_watch`); `ran` names the
+        requests whose chunk the last forward ran."""
+        if self._watch is not None and self._faults is not None:
+            cached = {s for s, _, _ in self._scheduler.prefix_cache.walk()}
+            verdict = self._watch.settle(self._scheduler.running, cached, ran,
+                                         self._scheduler.kv.allocator.allocations)  # fmt: skip
+            if verdict == "unread":
+                self._faults.unrecord(self._watch.record)
+                self.stats.late_landings_unread += 1
+            if verdict is not None:
+                self._watch = None
         keep = []
         for late, kv, patience in self._late:
             if not self._land_late(late, kv) and patience > 1:
@@ -249,12 +264,17 @@ class DecodeTransfers:
         pick = [late.slots[j] for j in held]
         write_pages(self._pool, self._sidecars, pick, _subset(kv, held))
         successors, after = self._successors(set(pick))
-        holders = sorted(r.request_id for r in self._scheduler.running
-                         if not set(pick).isdisjoint(r.slots[: r.num_computed]))  # fmt: skip
-        faults.record("late_landing", [*pick, *successors], [*(m + j for j in held), *after],
-                      f"transfer of aborted {late.req.request_id!r} landed after its slots were "
-                      f"freed and reallocated ({len(pick)} slots, held by "
-                      f"{', '.join(map(repr, holders)) or 'the prefix cache only'})")  # fmt: skip
+        owners = [r for r in self._scheduler.running
+                  if not set(pick).isdisjoint(r.slots[: r.num_computed])]  # fmt: skip
+        holders = sorted(r.request_id for r in owners)
+        rec = faults.record("late_landing", [*pick, *successors], [*(m + j for j in held), *after],
+                            f"transfer of aborted {late.req.request_id!r} landed after its slots "
+                            f"were freed and reallocated ({len(pick)} slots, held by "
+                            f"{', '.join(map(repr, holders)) or 'the prefix cache only'})")  # fmt: skip
+        if owners:
+            allocs = self._scheduler.kv.allocator.allocations
+            self._watch = LateWatch.of(rec, {s: allocs(s) for s in pick}, owners,
+                                       self._scheduler.running)  # fmt: skip
         return True
 
     def _written_slots(self) -> set[int]:

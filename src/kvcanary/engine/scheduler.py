@@ -109,6 +109,11 @@ class Scheduler:
         return self._plants
 
     @property
+    def step(self) -> int:
+        """Steps scheduled so far (the step a request's `last_scheduled` names)."""
+        return self._step
+
+    @property
     def running(self) -> tuple[Request, ...]:
         """Running requests in admission order."""
         return tuple(self._running)

@@ -25,7 +25,7 @@ __all__ = ["SlotAllocator"]
 class SlotAllocator:
     """Reference-counted allocator over slots `1 .. num_slots - 1`."""
 
-    __slots__ = ("_free", "_num_held", "_refs", "tolerate_unheld")
+    __slots__ = ("_allocs", "_free", "_num_held", "_refs", "tolerate_unheld")
 
     def __init__(self, num_slots: int, *, seed: int | None = None) -> None:
         """`num_slots` counts slot 0; `seed` (optional) shuffles the initial free order."""
@@ -37,6 +37,7 @@ class SlotAllocator:
         if seed is not None:
             random.Random(seed).shuffle(order)
         self._refs = [0] * num_slots
+        self._allocs = [0] * num_slots  # times each slot was handed out
         self._free: deque[int] = deque(order)
         self._num_held = 0
         self.tolerate_unheld = False
@@ -60,6 +61,10 @@ class SlotAllocator:
         """Current reference count of `slot` (0 when free)."""
         return self._refs[slot]
 
+    def allocations(self, slot: int) -> int:
+        """How many times `alloc` has handed `slot` out (a new owner writes it before reading)."""
+        return self._allocs[slot]
+
     def alloc(self, n: int) -> list[int] | None:
         """`n` fresh slots with one reference each, or None (and no change) if fewer are free."""
         if n < 0:
@@ -69,6 +74,7 @@ class SlotAllocator:
         out = [self._free.popleft() for _ in range(n)]
         for slot in out:
             self._refs[slot] = 1
+            self._allocs[slot] += 1
         self._num_held += n
         return out
 

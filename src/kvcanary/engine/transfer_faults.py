@@ -77,6 +77,8 @@ class TransferFaults:
     max_fires: int = 1
     step_of: Callable[[], int] = field(default=lambda: 0)
     journal: list[TransferFaultRecord] = field(default_factory=list)
+    #: firings taken back out of the journal: they did no harm and could not be observed
+    unread: list[TransferFaultRecord] = field(default_factory=list)
     _fires: dict[str, int] = field(default_factory=dict)
     _rngs: dict[str, random.Random] = field(default_factory=dict)
 
@@ -103,12 +105,19 @@ class TransferFaults:
 
     def record(
         self, name: str, slots: Iterable[int], positions: Iterable[int], description: str
-    ) -> None:
+    ) -> TransferFaultRecord:
         """Journal one firing (counts towards `max_fires`)."""
         self._fires[name] = self._fires.get(name, 0) + 1
-        self.journal.append(
-            TransferFaultRecord(name, self.step_of(), tuple(slots), tuple(positions), description)
-        )
+        rec = TransferFaultRecord(name, self.step_of(), tuple(slots), tuple(positions), description)
+        self.journal.append(rec)
+        return rec
+
+    def unrecord(self, rec: TransferFaultRecord) -> None:
+        """Take back a firing that did no harm (never readable): out of the journal, into
+        `unread`, and its budget refunded, so the fault may fire again."""
+        self.journal.remove(rec)
+        self.unread.append(rec)
+        self._fires[rec.fault] -= 1
 
 
 def validate_transfer_faults(
