@@ -127,3 +127,15 @@ def test_list_table_write_read_clear() -> None:
         table.write(2, 5, [1, 2])
     table.clear(1)
     assert table.nonzero_rows() == [] and table.shape == (3, 6)
+
+
+def test_allocations_count_every_hand_out_of_a_slot() -> None:
+    a = SlotAllocator(3)
+    assert [a.allocations(s) for s in (1, 2)] == [0, 0]
+    (s,) = a.alloc(1) or []
+    a.incref([s])
+    assert a.allocations(s) == 1  # a second reference is not a new owner
+    a.decref([s])
+    a.decref([s])
+    a.reuse_first([s])
+    assert a.alloc(1) == [s] and a.allocations(s) == 2

@@ -53,3 +53,16 @@ def test_recover_a_bad_landing_is_prefilled_locally_for_its_request_only(fault: 
     assert len(f["rejected_landing_requests"]) == 1 and f["incidents"] >= 1
     assert f["recomputed_requests"] == [] and f["requests_failed"] == 0
     assert identical and f["violations"] > 0
+
+
+def test_a_late_landing_dropped_unread_is_taken_back_and_fires_again() -> None:
+    """Tiny model, seed 6: the first late landing's holder is retracted in the landing's own
+    step, so no forward ever reads the landed bytes; that firing leaves the journal (it could
+    not be observed) and the fault fires again on a later abort, where it is caught."""
+    result, identical = _serve("late_landing", 6, "tiny", CanaryMode.RECOVER)
+    f = result.figures
+    assert f["late_landings_unread"] == 1
+    (firing,) = result.journal
+    holders = re.findall(r"'(req-\d+)'", firing.description.split("held by")[1])
+    assert f["incidents"] > 0 and set(f["recomputed_requests"]) <= set(holders)
+    assert f["requests_failed"] == 0 and identical
