@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 I64 = npt.NDArray[np.int64]
+_INT_TENSOR_DTYPES = (torch.int32, torch.int64)
 
 
 def as_int_array(name: str, value: Any, ndim: int | None = None) -> npt.NDArray[np.integer[Any]]:
@@ -36,6 +37,13 @@ def as_int_array(name: str, value: Any, ndim: int | None = None) -> npt.NDArray[
     other dtype, and for a value without one (a list, a tuple) with its type name in place of the
     dtype; CanaryContractError when `ndim` is given and the rank differs.
     """
+    if type(value) is torch.Tensor and value.is_cpu and value.dtype in _INT_TENSOR_DTYPES:
+        # the common case in one test: plain attributes, and `detach` only when grad is on
+        arr_fast: npt.NDArray[np.integer[Any]] = (
+            value.detach() if value.requires_grad else value
+        ).numpy()
+        if ndim is None or arr_fast.ndim == ndim:
+            return arr_fast
     if isinstance(value, torch.Tensor):
         if value.dtype not in (torch.int32, torch.int64):
             raise TypeError(
