@@ -76,7 +76,7 @@ def _prefetch_word(typingctx, words, row, col):  # type: ignore[no-untyped-def]
     return types.void(words, row, col), codegen
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def splitmix64(x):  # type: ignore[no-untyped-def]
     x ^= x >> _S30
     x *= _C1
@@ -86,14 +86,14 @@ def splitmix64(x):  # type: ignore[no-untyped-def]
     return x
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def mix3(a, b, c):  # type: ignore[no-untyped-def]
     h = splitmix64(a)
     h = splitmix64(h ^ b)
     return splitmix64(h ^ c)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _tile(page_size, per_token, slot):  # type: ignore[no-untyped-def]
     """(row, first word) of `slot`'s tile. A page of one token (the common token-major layout)
     needs no division, which would cost more than the fold itself."""
@@ -102,7 +102,7 @@ def _tile(page_size, per_token, slot):  # type: ignore[no-untyped-def]
     return slot // page_size, (slot % page_size) * per_token
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _fold_one(words, page_size, per_token, nread, slot):  # type: ignore[no-untyped-def]
     row, col = _tile(page_size, per_token, slot)
     acc = uint64(0)
@@ -111,7 +111,7 @@ def _fold_one(words, page_size, per_token, nread, slot):  # type: ignore[no-unty
     return acc
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _prefetch_tile(words, page_size, per_token, nread, slot):  # type: ignore[no-untyped-def]
     """Prefetch the words `_fold_one` reads for `slot` (first and last: a tile may straddle a
     cache line)."""
@@ -120,7 +120,7 @@ def _prefetch_tile(words, page_size, per_token, nread, slot):  # type: ignore[no
     _prefetch_word(words, row, col + nread - 1)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def prefetch_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-untyped-def]
     """Prefetch every source tile `fold_sources` reads for `slot` (real-KV rows are far apart
     in memory, so a fold over many entries is otherwise one DRAM latency per entry)."""
@@ -134,7 +134,7 @@ def prefetch_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-un
         _prefetch_tile(s3, params[3, 0], params[3, 1], params[3, 2], slot)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def fold_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-untyped-def]
     acc = uint64(0)
     if count > 0:
@@ -148,7 +148,7 @@ def fold_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-untype
     return acc
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _record(ring, state, c0, c1, c2, c3, c4, c5, c6, c7):  # type: ignore[no-untyped-def]
     """Fill-once ring append: take seq = write index, bump it, store only below capacity."""
     seq = state[0]

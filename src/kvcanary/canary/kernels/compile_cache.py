@@ -10,13 +10,14 @@ clean. A user's own `NUMBA_CACHE_DIR` (or `numba.config.CACHE_DIR`) always wins.
 
 Compile cost (a cold run compiles `build_plan`, `write` and `verify` once each, one signature
 apiece: the runtime passes one dtype and layout per argument). Most of it was numba's own passes
-over IR bloated by `inline="always"` (the IR is copied at every call site, then type-inferred and
-run through the parallel passes again): `_write_step` inlined into the four lanes of
-`_chains_folded` alone took ~18 CPU s. Per-entry steps called from several sites of a parallel
-kernel (`_write_step`, `_plain_step`) are therefore plain `@njit` functions: compiled once, and
-LLVM still inlines them into each loop (checked on the generated IR), so the machine code is
-the same. Small helpers used once stay `inline="always"`. Cold `kvcanary run`: ~15 CPU s of
-compilation instead of ~40 (bench/cold_start.py prints cold and warm runs side by side).
+over IR bloated by `inline="always"`: that inlines a callee's numba IR at every call site, which
+is then type-inferred and run through the parallel passes again (mix3 and its three splitmix64
+calls were re-typed at each of a dozen sites). No kernel helper is IR-inlined any more: each is a
+plain `@njit` function, compiled once, and LLVM inlines it into its callers when it optimises the
+linked module (same loops, same vectorisation: bench/kernels.py and the byte-equality tests).
+That took a cold compile from ~23 to ~15 CPU seconds; `precompile` then runs the independent
+kernels' compiles in parallel processes. bench/cold_start.py prints cold and warm runs side by
+side.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from numba import njit
 _OK, _LUT_INDEX, _SLOT_RANGE, _ROW_RANGE = 0, 1, 2, 3
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _translate(x, lut, use_lut, num_slots, allow_none):  # type: ignore[no-untyped-def]
     """(T(x), error kind): SWA translation T, then the group's range check.
 

@@ -34,7 +34,7 @@ warnings.filterwarnings(
 _CHUNK = 256  # verify entries per chunk (a consecutive chunk is checked vectorized)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _verify_one(buf, slot, prev, exp_pos, exp_tok, s0, s1, s2, s3, params, count):  # type: ignore[no-untyped-def]
     """Returns (bits, expected_chain) for one verify entry (slot != 0)."""
     reachable = prev != 0
@@ -56,7 +56,7 @@ def _verify_one(buf, slot, prev, exp_pos, exp_tok, s0, s1, s2, s3, params, count
     return bits, exp_chain
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _prefetch_entry(buf, slots, j, n):  # type: ignore[no-untyped-def]
     """Prefetch row `slots[j]` unless it follows `slots[j - 1]` (the hardware streams those).
 
@@ -68,7 +68,7 @@ def _prefetch_entry(buf, slots, j, n):  # type: ignore[no-untyped-def]
             _prefetch_read(buf, s)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _entry_ok(buf, slot, prev, exp_pos, exp_tok, fold):  # type: ignore[no-untyped-def]
     """True when verify entry (slot != 0) has no violation bit; see `_verify_one`."""
     chain = buf[slot, 2]
@@ -86,14 +86,14 @@ def _entry_ok(buf, slot, prev, exp_pos, exp_tok, fold):  # type: ignore[no-untyp
     )
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _chain_input(buf, slot, prev):  # type: ignore[no-untyped-def]
     """The row whose hash an entry's chain is checked against: `prev`, or (when prev is 0 or -1
     and the hash is unused) the entry's own row, so that loads and mix3 need no branch."""
     return slot if (prev == 0) | (prev == -1) else prev
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _plain_bad(buf, slot, prev, exp_pos, exp_tok, hashed):  # type: ignore[no-untyped-def]
     """1 when entry (fold 0) has a violation bit, else 0; slot 0 is never bad. `hashed` is
     mix3 of row `_chain_input(buf, slot, prev)`. Same bits as `_verify_one`, without branches."""
@@ -107,7 +107,7 @@ def _plain_bad(buf, slot, prev, exp_pos, exp_tok, hashed):  # type: ignore[no-un
     return 0 if ok | (slot == 0) else 1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi):  # type: ignore[no-untyped-def]
     """(bad entries, 0) of entries `lo:hi` when their slots run consecutively from `v_slot[lo]`
     and each prev is 0, -1 or the slot before; (-, > 0) when that assumption fails somewhere.

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - other numba versions
         return 8
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _write_tasks(nreq):  # type: ignore[no-untyped-def]
     """Tasks for `nreq` requests: four requests' chains per task (task g owns g, g + ntasks, ...),
     but at least one per thread while there are requests to spread."""

@@ -21,7 +21,7 @@ from kvcanary.canary.kernels._intrinsics import (
 _CHAIN_POSITION_FLAG = 64  # internal: the chain-position row of SPEC §5.2 (reported as bit 16)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _write_bits(tok, pos, i, do_assert, exp_tok, exp_pos, do_pos, prev_pos):  # type: ignore[no-untyped-def]
     bits = 0
     if do_assert:
@@ -34,7 +34,7 @@ def _write_bits(tok, pos, i, do_assert, exp_tok, exp_pos, do_pos, prev_pos):  # 
     return bits
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _lane(r, nreq, req_offsets, start_hash, start_pos, seeds, chain_position):  # type: ignore[no-untyped-def]
     """(first entry, end entry, running hash, previous position, do_pos) of request `r`'s lane."""
     if r >= nreq:
@@ -87,7 +87,7 @@ def _plain_step(  # type: ignore[no-untyped-def]
     return mix3(running, uint64(tok), uint64(pos)), pos, do_pos & (pos != prev_pos + 1)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _consecutive(w_slots, lo, hi):  # type: ignore[no-untyped-def]
     """True when `w_slots[lo:hi]` are consecutive slots (the hardware streams such rows)."""
     seg = w_slots[lo:hi]
