@@ -132,6 +132,11 @@ def test_each_fault_is_caught_one_to_one_in_multiprocess_mode(tmp_path: Path) ->
         assert r["missed"] == 0 and r["false_alarms"] == 0, name
         assert set(r["reasons_seen"]) & set(r["reasons_expected"]), name
     assert doc["passed"] is True
+    assert doc["engine_core"] == "multiprocess" and doc["dtype"] == "bfloat16"
+    # log mode delivers what the faults did: a swapped block table changes outputs
+    assert set(doc["outputs_differing"]) == set(VLLM_FAULT_MODES)
+    assert doc["outputs_differing"]["block_table_swap"] > 0
+    assert "outputs differing from the clean run of the same seed (log mode" in result.stdout
 
 
 @pytest.mark.vllm

@@ -358,12 +358,20 @@ def _campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
     from kvcanary.app.selftest.report import campaign_json, campaign_passed, result_table
     from kvcanary.app.vllm.campaign import replay_command, run_vllm_campaign
 
-    baseline, summaries = _with_progress(run_vllm_campaign, engine, spec)
+    result = _with_progress(run_vllm_campaign, engine, spec)
+    baseline, summaries = result.baseline, result.summaries
     table = result_table(baseline, summaries)
     table.title = f"kvcanary vllm faults ({table.title})"
     Console().print(table)
+    differing = ", ".join(f"{m} {n}" for m, n in result.outputs_differing.items())
+    typer.echo(f"outputs differing from the clean run of the same seed ({engine.mode} mode, "
+               f"{engine.dtype}, over {spec.seeds} seeds x {spec.requests} requests): "
+               f"{differing or 'no fault armed'}")  # fmt: skip
     if json_path is not None:
-        doc = campaign_json(baseline, summaries)
+        doc = campaign_json(baseline, summaries) | {
+            "outputs_differing": result.outputs_differing, "dtype": engine.dtype,
+            "engine_core": "in-process" if engine.in_process else "multiprocess",
+        }  # fmt: skip
         json_path.write_text(json.dumps(doc, indent=2) + "\n")
     failing = [(o.name, o.seed) for o in baseline if o.violations] + [
         (s.name, o.seed) for s in summaries for o in s.outcomes if not o.correlation.one_to_one

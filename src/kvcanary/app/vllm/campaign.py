@@ -4,13 +4,18 @@ The faults are armed and read back through `collective_rpc` wherever vLLM runs t
 default multiprocess engine core included). Runs on one engine are made independent by dropping vLLM's prefix cache before each run (a
 corrupted block is then never read again before it is rewritten). A fault that never found a
 target counts as missed, not as skipped.
+
+Each fault run's outputs are also compared with the clean run of the same seed: in mode `log`
+`outputs_differing` counts what the fault delivered to clients (what mode `recover` prevents,
+see `recover_campaign`); it is information, not a pass criterion (in bf16 a changed prefix-cache
+hit pattern alone can change an output of the random tiny model).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcanary.app.selftest.campaign import CaseOutcome, NameSummary
 from kvcanary.app.selftest.correlate import Fault, correlate
@@ -18,7 +23,8 @@ from kvcanary.app.vllm.engine import VllmEngine
 from kvcanary.app.vllm.faults import VLLM_FAULT_MODES
 from kvcanary.app.vllm.workload import VllmRequest, VllmWorkload
 
-__all__ = ["VLLM_EXPECTED_REASONS", "VllmCampaignSpec", "replay_command", "run_vllm_campaign"]
+__all__ = ["VLLM_EXPECTED_REASONS", "VllmCampaignResult", "VllmCampaignSpec", "replay_command",
+           "run_vllm_campaign"]  # fmt: skip
 
 _CP = frozenset({"verify_chain_hash", "verify_position", "verify_token"})
 VLLM_EXPECTED_REASONS: dict[str, frozenset[str]] = {
@@ -58,30 +64,44 @@ def replay_command(name: str, seed: int) -> str:
     return f"kvcanary vllm --faults {faults} --first-seed {seed} --seeds 1"
 
 
+@dataclass(frozen=True)
+class VllmCampaignResult:
+    """The clean baselines, one summary per fault, and per fault the outputs (over all seeds)
+    that differed from the clean run of the same seed."""
+
+    baseline: list[CaseOutcome]
+    summaries: list[NameSummary]
+    outputs_differing: dict[str, int] = field(default_factory=dict)
+
+
 def run_vllm_campaign(
     engine: VllmEngine,
     spec: VllmCampaignSpec,
     progress: Callable[[str], None] | None = None,
-) -> tuple[list[CaseOutcome], list[NameSummary]]:
+) -> VllmCampaignResult:
     """Clean baseline and every armed fault on every seed (`engine` built with `faults=True`)."""
     seeds = range(spec.first_seed, spec.first_seed + spec.seeds)
     per_mode: dict[str, list[CaseOutcome]] = {m: [] for m in spec.modes}
+    differing = dict.fromkeys(spec.modes, 0)
     baseline = []
     for seed in seeds:
         workload = VllmWorkload(
             num_requests=spec.requests, seed=seed, max_tokens=spec.max_tokens
         ).requests()
-        baseline.append(_case(engine, spec, workload, seed, None))
+        clean, reference = _case(engine, spec, workload, seed, None)
+        baseline.append(clean)
         if progress:
             progress(f"clean seed {seed}")
         for mode in spec.modes:
-            per_mode[mode].append(_case(engine, spec, workload, seed, mode))
+            outcome, outputs = _case(engine, spec, workload, seed, mode)
+            per_mode[mode].append(outcome)
+            differing[mode] += sum(a != b for a, b in zip(outputs, reference, strict=True))
             if progress:
                 progress(f"{mode} seed {seed}")
     summaries = [
         NameSummary(m, "vllm", tuple(per_mode[m]), VLLM_EXPECTED_REASONS[m]) for m in spec.modes
     ]
-    return baseline, summaries
+    return VllmCampaignResult(baseline, summaries, differing)
 
 
 def _case(
@@ -90,7 +110,7 @@ def _case(
     workload: Sequence[VllmRequest],
     seed: int,
     mode: str | None,
-) -> CaseOutcome:
+) -> tuple[CaseOutcome, tuple[tuple[int, ...], ...]]:
     engine.reset_prefix_cache()
     faults: list[Fault] = []
     if mode is not None:
@@ -108,5 +128,6 @@ def _case(
         )
     missing = [] if faults or mode is None else [Fault(mode, -1, "full", frozenset(), 0)]
     correlation = correlate([*faults, *missing], run.violations)
-    return CaseOutcome(mode or "clean", "vllm" if mode else "clean", seed, correlation,
-                       len(run.violations))  # fmt: skip
+    outcome = CaseOutcome(mode or "clean", "vllm" if mode else "clean", seed, correlation,
+                          len(run.violations))  # fmt: skip
+    return outcome, run.outputs
