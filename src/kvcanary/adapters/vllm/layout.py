@@ -144,10 +144,17 @@ class KvMirror:
         self._rows = self.rows.numpy()
 
     def refresh(self, blocks: npt.NDArray[np.integer] | None = None) -> None:
-        """Re-gather `blocks` (all blocks when None). NumPy fancy indexing over one flat view
-        (torch's 2-D advanced indexing is about 100x slower here)."""
-        idx = (np.arange(len(self._rows)) if blocks is None
-               else np.asarray(blocks, dtype=np.int64))  # fmt: skip
+        """Re-gather `blocks` (all blocks when None; repeats are fine; ids outside the cache are
+        skipped: they come from a bad table or slot, which the canary's range checks report).
+        NumPy fancy indexing over one flat view (torch's 2-D advanced indexing is about 100x
+        slower here)."""
+        n = len(self._rows)
+        if blocks is None:
+            idx = np.arange(n)
+        else:
+            idx = np.asarray(blocks, dtype=np.int64)
+            if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                idx = idx[(idx >= 0) & (idx < n)]
         if self._flat is not None:
             self._rows[idx] = self._flat[idx[:, None] * self._stride + self._gather[None, :]]
         else:

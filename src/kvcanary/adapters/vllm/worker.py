@@ -24,7 +24,7 @@ from kvcanary.adapters.vllm.layout import LayerSources, LayoutError, TokenByteMa
 from kvcanary.adapters.vllm.layout import calibrate as calibrate_layout
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
-from kvcanary.adapters.vllm.view import build_forward_view, split_waves
+from kvcanary.adapters.vllm.view import PagedReqToToken, build_forward_view, split_waves
 from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, Violation
 
 if TYPE_CHECKING:
@@ -100,6 +100,8 @@ class CanaryWorker:
         self.split_forwards = 0
         self.chunked_prefill_rows = 0
         self._waves: list[ForwardView] = []
+        self._table: PagedReqToToken | None = None  # req_to_token, kept across steps
+        self._tail_blocks: np.ndarray | None = None  # blocks TAIL reads (mirror re-gather)
         self._last_checks = 0
         self._dropped_seen: Counter[tuple[str, str]] = Counter()
         self.last_request_ids: list[str] = []
@@ -195,18 +197,13 @@ class CanaryWorker:
         if canary is None or STATE.bypass:
             return
         t0 = time.perf_counter()
-        view = self._view(slot_mapping)
-        if view is None:
-            return
-        self._waves = split_waves(view)
-        self.split_forwards += len(self._waves) > 1
-        if self.sources is not None and self.sources.mirror is not None:
-            r2t = view.req_to_token.numpy()
-            blocks = np.unique(np.concatenate(
-                [r2t[view.rows.numpy()].ravel(), view.out_slots.numpy()]) // self.block_size)
-            self.sources.mirror.refresh(blocks)
         try:
-            canary.pre_forward(view=self._waves[0])
+            view = self._view(slot_mapping)
+            if view is None:
+                return
+            self._waves = split_waves(view, self.block_size)
+            self.split_forwards += len(self._waves) > 1
+            canary.pre_forward(view=self._waves[0])  # HEAD folds no real KV: no mirror re-gather
         except Exception:
             self._waves = []
             raise
@@ -222,10 +219,8 @@ class CanaryWorker:
         waves, self._waves = self._waves, []
         try:
             mirror = self.sources.mirror if self.sources is not None else None
-            if mirror is not None:  # TAIL reads the slots this forward wrote
-                written = waves[0].out_slots.numpy() if len(waves) == 1 else np.concatenate(
-                    [w.out_slots.numpy() for w in waves])
-                mirror.refresh(np.unique(written[written > 0] // self.block_size))
+            if mirror is not None and self._tail_blocks is not None:
+                mirror.refresh(self._tail_blocks)  # what TAIL reads, at check time
             canary.post_forward(view=waves[0])
             for later in waves[1:]:  # rows that hit prefix blocks written by this forward
                 canary.pre_forward(view=later)
@@ -234,7 +229,7 @@ class CanaryWorker:
                 self.hooks.after_forward(runner=self.runner, step=canary.step)
             self.walker.snapshot = snapshot
             if snapshot is not None and mirror is not None and canary.sweep_due:
-                mirror.refresh(np.unique(snapshot.rows[:, 0]))
+                mirror.refresh(snapshot.rows[:, 0])  # a snapshot names each block once
             sweeps = canary.sweep_passes
             walks = self.walker.walks
             try:
@@ -259,6 +254,7 @@ class CanaryWorker:
         if total == 0:
             return None
         bt = ib.block_table[0]
+        b = self.block_size
         mapping = None
         if isinstance(slot_mapping, dict) and slot_mapping:
             mapping = slot_mapping.get(runner.kv_cache_config.kv_cache_groups[0].layer_names[0])
@@ -273,11 +269,24 @@ class CanaryWorker:
             lens = ib.num_tokens_no_spec[:num_reqs]
             truth = [ib.token_ids_cpu[i, : int(lens[i])] for i in range(num_reqs)]
         self.last_request_ids = list(ib.req_ids[:num_reqs])
+        if self._table is None:
+            self._table = PagedReqToToken(b)
+        table = bt.block_table.np
+        need = int((computed + num_scheduled).max())
+        r2t = self._table.update(table, num_reqs, -(-need // b))
+        slots = mapping[:total].numpy()
+        self._tail_blocks = None
+        if self.sources is not None and self.sources.mirror is not None:
+            # TAIL verifies each row's [0, prefix) and writes `slots`: re-gather those blocks
+            nb = min(-(-int(computed.max()) // b), table.shape[1])
+            mask = np.arange(nb) < -(-computed.astype(np.int64) // b)[:, None]
+            self._tail_blocks = np.concatenate(
+                (table[:num_reqs, :nb][mask], slots[slots >= 0] // b)).astype(np.int64)
         return build_forward_view(
-            block_table=bt.block_table.np, block_size=int(bt.block_size), num_computed=computed,
+            block_table=table, block_size=b, num_computed=computed,
             num_scheduled=num_scheduled, input_ids=runner.input_ids.cpu[:total].numpy(),
-            positions=runner.positions[:total].numpy(), slot_mapping=mapping[:total].numpy(),
-            truth_tokens=truth,
+            positions=runner.positions[:total].numpy(), slot_mapping=slots,
+            truth_tokens=truth, req_to_token=r2t,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ figures
