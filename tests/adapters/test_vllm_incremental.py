@@ -1,7 +1,8 @@
 """The vLLM adapter's per-step shortcuts equal what they replace: the persistent `req_to_token`
-(`PagedReqToToken`) equals a full rebuild, byte for byte, over seeded sequences of steps with
-adds, growth, finishes, preemptions, row moves and garbage; the block-level wave test agrees
-with the slot-level one; the snapshot walker's array equals its tuples (no vLLM needed)."""
+(`prep.StepPrep`) equals a full rebuild, byte for byte, over seeded sequences of steps with
+adds, growth, finishes, preemptions, row moves and garbage; its block-level wave test never
+misses a split the slot-level one makes; its TAIL block list covers every block TAIL reads; the
+snapshot walker's array equals its tuples (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
-from kvcanary.adapters.vllm.view import (
-    PagedReqToToken,
-    build_forward_view,
-    paged_req_to_token,
-    split_waves,
-)
+from kvcanary.adapters.vllm.prep import StepPrep
+from kvcanary.adapters.vllm.view import build_forward_view, paged_req_to_token, split_waves
 from kvcanary.canary.view_checks import walker_entries
 
 ROWS, MAX_BLOCKS, NUM_BLOCKS = 6, 8, 40
@@ -50,29 +47,35 @@ def test_incremental_req_to_token_equals_a_rebuild_every_step(seed: int, b: int)
     rng = np.random.default_rng(seed)
     bt = np.zeros((ROWS, MAX_BLOCKS), dtype=np.int32)
     nblk = np.zeros(ROWS, dtype=np.int64)
-    table = PagedReqToToken(b)
+    prep = StepPrep(bt, b, NUM_BLOCKS)
     for _ in range(40):
         _step(rng, bt, nblk)
         num_reqs = int(rng.integers(0, ROWS + 1))
-        need = int(rng.integers(1, MAX_BLOCKS + 3))  # may ask past the table: clamped
-        got = table.update(bt, num_reqs, need)
-        nb = max(1, min(need, MAX_BLOCKS))
+        computed = rng.integers(0, (MAX_BLOCKS + 2) * b, num_reqs).astype(np.int32)
+        scheduled = rng.integers(0, b + 1, num_reqs).astype(np.int64)
+        slots = rng.integers(-1, NUM_BLOCKS * b, int(scheduled.sum())).astype(np.int64)
+        got = prep.run(bt, num_reqs, computed, scheduled, slots)
+        need = int((computed.astype(np.int64) + scheduled).max()) if num_reqs else 0
+        nb = max(1, min(-(-need // b), MAX_BLOCKS))  # may ask past the table: clamped
         want = paged_req_to_token(bt, num_reqs, b, nb * b)
         assert got.shape[0] == num_reqs + 1 and got.shape[1] >= nb * b
         assert got.dtype == np.int64 and got.flags.c_contiguous
         np.testing.assert_array_equal(got[:, : nb * b], want)
+        assert (prep._owner == -1).all()  # the scratch is clean between calls
 
 
 def test_incremental_req_to_token_sees_an_edit_of_a_block_it_expanded_before() -> None:
     bt = np.array([[3, 4, 0]], dtype=np.int32)
-    table = PagedReqToToken(2)
-    assert table.update(bt, 1, 2)[1, :4].tolist() == [6, 7, 8, 9]
+    prep = StepPrep(bt, 2, 8)
+    one = np.ones(1, dtype=np.int64)
+    assert prep.run(bt, 1, np.array([3]), one, np.array([9]))[1, :4].tolist() == [6, 7, 8, 9]
     bt[0, 0] = 0  # the null block reads as slot 0
     bt[0, 1] = 5
-    assert table.update(bt, 1, 2)[1, :4].tolist() == [0, 0, 10, 11]
+    assert prep.run(bt, 1, np.array([3]), one, np.array([11]))[1, :4].tolist() == [0, 0, 10, 11]
+    assert sorted(prep.tail_blocks.tolist()) == [0, 5, 5] and not prep.cross
 
 
-def _random_view(rng: np.random.Generator, b: int):
+def _random_case(rng: np.random.Generator, b: int):
     n = int(rng.integers(1, 5))
     bt = rng.integers(0, 6, (n, 4)).astype(np.int32)  # few blocks: sharing is common
     computed = rng.integers(0, 3 * b, n)
@@ -81,23 +84,30 @@ def _random_view(rng: np.random.Generator, b: int):
     for r in range(n):
         for p in range(int(computed[r]), int(computed[r] + scheduled[r])):
             slots.append(int(bt[r, p // b]) * b + p % b if rng.random() > 0.1 else
-                         int(rng.integers(-1, 6 * b)))  # fmt: skip
+                         int(rng.integers(-1, 7 * b)))  # fmt: skip
             ids.append(1 + p)
             pos.append(p)
-    return build_forward_view(
-        block_table=bt, block_size=b, num_computed=computed, num_scheduled=scheduled,
-        input_ids=np.array(ids, dtype=np.int64), positions=np.array(pos, dtype=np.int64),
-        slot_mapping=np.array(slots, dtype=np.int64),
-    )  # fmt: skip
+    return bt, computed, scheduled, np.array(slots, dtype=np.int64), ids, pos
 
 
 @given(st.integers(0, 2**32 - 1), st.sampled_from([1, 2, 4]))
-@settings(max_examples=200, deadline=None)
-def test_block_level_wave_test_agrees_with_the_slot_level_split(seed: int, b: int) -> None:
-    view = _random_view(np.random.default_rng(seed), b)
-    fast, exact = split_waves(view, b), split_waves(view)
-    assert [w.rows.tolist() for w in fast] == [w.rows.tolist() for w in exact]
-    assert [w.out_slots.tolist() for w in fast] == [w.out_slots.tolist() for w in exact]
+@settings(max_examples=300, deadline=None)
+def test_block_level_wave_test_never_misses_a_split_and_tail_covers_tail(seed: int, b: int) -> None:
+    bt, computed, scheduled, slots, ids, pos = _random_case(np.random.default_rng(seed), b)
+    n = len(bt)
+    prep = StepPrep(bt, b, 6)  # blocks >= 6 are outside the cache
+    r2t = prep.run(bt, n, computed, scheduled.astype(np.int64), slots)
+    view = build_forward_view(
+        block_table=bt, block_size=b, num_computed=computed, num_scheduled=scheduled,
+        input_ids=np.array(ids, dtype=np.int64), positions=np.array(pos, dtype=np.int64),
+        slot_mapping=slots, req_to_token=r2t,
+    )  # fmt: skip
+    if not prep.cross:
+        assert len(split_waves(view)) == 1
+    read = {int(s) // b for r in range(n) for s in r2t[r + 1, : computed[r]]}
+    read |= {int(s) // b for s in slots if s >= 0}
+    assert {x for x in read if x < 6} <= set(prep.tail_blocks.tolist())
+    assert prep.min_slot == min(0, int(slots.min()) if slots.size else 0)
 
 
 def test_walker_array_equals_its_tuples_and_feeds_the_canary() -> None:

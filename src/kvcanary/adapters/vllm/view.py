@@ -13,7 +13,7 @@ import torch
 
 from kvcanary.contract.view import ForwardView
 
-__all__ = ["PagedReqToToken", "build_forward_view", "paged_req_to_token", "split_waves"]
+__all__ = ["build_forward_view", "paged_req_to_token", "split_waves"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -40,48 +40,6 @@ def paged_req_to_token(
     return out
 
 
-class PagedReqToToken:
-    """`req_to_token` kept across steps for one persistent block table (SPEC §2.6).
-
-    Row `r + 1` mirrors row `r` of the block table, as `paged_req_to_token` would build it; the
-    table persists and `update` re-expands only the block-table entries that changed since the
-    previous call (a decode step touches one block per request at most), so a step costs one
-    compare of the block ids, not a rebuild of every slot. The width grows (doubling, whole
-    blocks, never past the block table) when a step needs more blocks; growing rebuilds.
-    """
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self._offsets = np.arange(block_size, dtype=np.int64)
-        self.table = np.zeros((1, block_size), dtype=np.int64)
-        self._blocks = np.zeros((0, 1), dtype=np.int64)  # block ids the table rows expand
-
-    def update(self, block_table: npt.NDArray[np.integer], num_reqs: int, nblocks: int) -> I64:
-        """Sync rows `1..num_reqs` over blocks `[0, nblocks)` (clamped to the block table) with
-        `block_table` and return `table[: num_reqs + 1]` (live: valid until the next update).
-        Entries `[r + 1, p]` for `p < nblocks * B` equal `paged_req_to_token`'s."""
-        b = self.block_size
-        nblocks = max(1, min(nblocks, block_table.shape[1]))
-        rows_cap, cols_cap = self._blocks.shape
-        if num_reqs > rows_cap or nblocks > cols_cap:
-            rows_cap = max(rows_cap, min(block_table.shape[0], max(num_reqs, 2 * rows_cap)))
-            cols_cap = max(cols_cap, min(block_table.shape[1], max(nblocks, 2 * cols_cap)))
-            self._blocks = np.zeros((rows_cap, cols_cap), dtype=np.int64)
-            self.table = np.zeros((rows_cap + 1, cols_cap * b), dtype=np.int64)
-        if num_reqs == 0:
-            return self.table[:1]
-        cur = block_table[:num_reqs, :nblocks]
-        seen = self._blocks[:num_reqs, :nblocks]
-        r, c = np.nonzero(cur != seen)
-        if r.size:
-            blk = cur[r, c].astype(np.int64)
-            seen[r, c] = blk
-            slots = blk[:, None] * b + self._offsets
-            slots[blk == 0] = 0  # the reserved null block reads as slot 0
-            self.table[(r + 1)[:, None], c[:, None] * b + self._offsets] = slots
-        return self.table[: num_reqs + 1]
-
-
 def build_forward_view(
     *,
     block_table: npt.NDArray[np.integer],
@@ -100,7 +58,7 @@ def build_forward_view(
     The flat arrays are truncated to the scheduled token count (views of the caller's arrays
     where they already are int64; the canary snapshots them); slots below -1 become -1 (a copy).
     `req_to_token` is derived from the block table at call time (or passed in, built by
-    `PagedReqToToken` from the same table), so the view is not `mutable` (fault injection that
+    `prep.StepPrep` from the same table), so the view is not `mutable` (fault injection that
     edits engine tables skips). Slots in the null block are passed through unchanged in
     `out_slots` (a write there is itself a bug the TAIL stage records).
     """
@@ -128,43 +86,7 @@ def build_forward_view(
     )
 
 
-def _no_cross_block_hit(view: ForwardView, block_size: int) -> bool:
-    """True when no row's prefix blocks hold a block another row writes in this forward: then
-    no slot of one row's verify range is written by another row (a block-level superset of the
-    slot-level test, B times fewer entries). False may be a false alarm (the exact test decides)."""
-    rows = view.rows.numpy()
-    out_slots = view.out_slots.numpy()
-    extend = np.maximum(view.extend_lens.numpy(), 0)
-    n_tok = int(extend.sum())
-    if n_tok > len(out_slots):
-        return False
-    writer = np.repeat(np.arange(len(rows)), extend)
-    written = out_slots[:n_tok]
-    keep = written > 0
-    if not keep.any():
-        return True
-    wb, wr = written[keep] // block_size, writer[keep]
-    order = np.argsort(wb, kind="stable")
-    wb, wr = wb[order], wr[order]
-    if len(wb) > 1 and (wr[1:] != wr[:-1])[wb[1:] == wb[:-1]].any():
-        return False  # two rows write one block
-    r2t = view.req_to_token.numpy()
-    prefix = view.prefix_lens.numpy()
-    nb = -(-np.maximum(prefix, 0) // block_size)
-    cols = int(nb.max()) if len(nb) else 0
-    if cols == 0:
-        return True
-    if cols * block_size > r2t.shape[1] or (rows < 0).any() or (rows >= r2t.shape[0]).any():
-        return False
-    first = r2t[rows, : cols * block_size : block_size] // block_size  # [n, cols] block ids
-    mask = np.arange(cols) < nb[:, None]
-    pb = first[mask]
-    prow = np.nonzero(mask)[0]
-    idx = np.minimum(np.searchsorted(wb, pb), len(wb) - 1)
-    return not ((wb[idx] == pb) & (wr[idx] != prow)).any()
-
-
-def split_waves(view: ForwardView, block_size: int = 0) -> list[ForwardView]:
+def split_waves(view: ForwardView) -> list[ForwardView]:
     """Split one engine forward into canary "waves" by intra-forward prefix sharing.
 
     vLLM registers a block in its prefix cache when it is *scheduled*, so a request scheduled
@@ -174,13 +96,10 @@ def split_waves(view: ForwardView, block_size: int = 0) -> list[ForwardView]:
     unwritten records. A row goes to wave `1 + max(wave of the rows that write a slot in its
     verify range)`; wave 0 runs around the model forward, later waves run after it (their HEAD
     checks then happen after the model, still before sampling). One wave: `[view]` unchanged.
-    With `block_size` (the paged table's), a block-level test settles the common case first.
     """
     rows = view.rows.numpy()
     n = len(rows)
     if n < 2:
-        return [view]
-    if block_size > 0 and _no_cross_block_hit(view, block_size):
         return [view]
     prefix = view.prefix_lens.numpy()
     extend = np.maximum(view.extend_lens.numpy(), 0)

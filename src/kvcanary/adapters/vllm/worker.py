@@ -24,7 +24,8 @@ from kvcanary.adapters.vllm.layout import LayerSources, LayoutError, TokenByteMa
 from kvcanary.adapters.vllm.layout import calibrate as calibrate_layout
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
-from kvcanary.adapters.vllm.view import PagedReqToToken, build_forward_view, split_waves
+from kvcanary.adapters.vllm.prep import StepPrep
+from kvcanary.adapters.vllm.view import build_forward_view, split_waves
 from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, Violation
 
 if TYPE_CHECKING:
@@ -100,7 +101,8 @@ class CanaryWorker:
         self.split_forwards = 0
         self.chunked_prefill_rows = 0
         self._waves: list[ForwardView] = []
-        self._table: PagedReqToToken | None = None  # req_to_token, kept across steps
+        self._prep: StepPrep | None = None  # req_to_token kept across steps, wave test
+        self.num_blocks = 0
         self._tail_blocks: np.ndarray | None = None  # blocks TAIL reads (mirror re-gather)
         self._last_checks = 0
         self._dropped_seen: Counter[tuple[str, str]] = Counter()
@@ -132,7 +134,8 @@ class CanaryWorker:
             logger.warning("kv-canary: KV block dim %d != block size %d; canary off",
                            kv.shape[2], self.block_size)  # fmt: skip
             return None
-        num_slots = int(kv.shape[0]) * self.block_size
+        self.num_blocks = int(kv.shape[0])
+        num_slots = self.num_blocks * self.block_size
         mode = self.config.real_data.value
         k_sources: tuple[Any, ...] = ()
         v_sources: tuple[Any, ...] = ()
@@ -201,7 +204,8 @@ class CanaryWorker:
             view = self._view(slot_mapping)
             if view is None:
                 return
-            self._waves = split_waves(view, self.block_size)
+            assert self._prep is not None
+            self._waves = split_waves(view) if self._prep.cross else [view]
             self.split_forwards += len(self._waves) > 1
             canary.pre_forward(view=self._waves[0])  # HEAD folds no real KV: no mirror re-gather
         except Exception:
@@ -269,19 +273,13 @@ class CanaryWorker:
             lens = ib.num_tokens_no_spec[:num_reqs]
             truth = [ib.token_ids_cpu[i, : int(lens[i])] for i in range(num_reqs)]
         self.last_request_ids = list(ib.req_ids[:num_reqs])
-        if self._table is None:
-            self._table = PagedReqToToken(b)
         table = bt.block_table.np
-        need = int((computed + num_scheduled).max())
-        r2t = self._table.update(table, num_reqs, -(-need // b))
+        if self._prep is None:
+            self._prep = StepPrep(table, b, self.num_blocks)
         slots = mapping[:total].numpy()
-        self._tail_blocks = None
-        if self.sources is not None and self.sources.mirror is not None:
-            # TAIL verifies each row's [0, prefix) and writes `slots`: re-gather those blocks
-            nb = min(-(-int(computed.max()) // b), table.shape[1])
-            mask = np.arange(nb) < -(-computed.astype(np.int64) // b)[:, None]
-            self._tail_blocks = np.concatenate(
-                (table[:num_reqs, :nb][mask], slots[slots >= 0] // b)).astype(np.int64)
+        r2t = self._prep.run(table, num_reqs, computed, num_scheduled, slots)
+        mirrored = self.sources is not None and self.sources.mirror is not None
+        self._tail_blocks = self._prep.tail_blocks if mirrored else None
         return build_forward_view(
             block_table=table, block_size=b, num_computed=computed,
             num_scheduled=num_scheduled, input_ids=runner.input_ids.cpu[:total].numpy(),
