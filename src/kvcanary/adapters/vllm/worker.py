@@ -22,9 +22,9 @@ import torch
 
 from kvcanary.adapters.vllm.layout import LayerSources, LayoutError, TokenByteMap, build_sources
 from kvcanary.adapters.vllm.layout import calibrate as calibrate_layout
+from kvcanary.adapters.vllm.prep import StepPrep
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
-from kvcanary.adapters.vllm.prep import StepPrep
 from kvcanary.adapters.vllm.view import build_forward_view, split_waves
 from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, Violation
 
