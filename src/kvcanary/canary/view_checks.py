@@ -149,7 +149,8 @@ def walker_entries(walker: Any) -> I64:
                 f"array of (slot, position, prev_slot), got {type(arr).__name__} "
                 f"{getattr(arr, 'dtype', '')} {getattr(arr, 'shape', '')}"
             )
-        return arr
+        out: I64 = arr
+        return out
     entries = list(walker.walk())
     if not entries:
         return np.zeros((0, 3), dtype=np.int64)

@@ -26,7 +26,7 @@ from kvcanary.adapters.vllm.prep import StepPrep
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
 from kvcanary.adapters.vllm.view import build_forward_view, split_waves
-from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, Violation
+from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, TruthTable, Violation
 
 if TYPE_CHECKING:
     from kvcanary.canary import Canary, CanaryConfig
@@ -270,8 +270,8 @@ class CanaryWorker:
         )
         truth = None
         if self.config.enable_verify_token_assert:
-            lens = ib.num_tokens_no_spec[:num_reqs]
-            truth = [ib.token_ids_cpu[i, : int(lens[i])] for i in range(num_reqs)]
+            # the persistent token table, read in place (the canary copies what it checks)
+            truth = TruthTable(ib.token_ids_cpu, ib.num_tokens_no_spec[:num_reqs])
         self.last_request_ids = list(ib.req_ids[:num_reqs])
         table = bt.block_table.np
         if self._prep is None:
