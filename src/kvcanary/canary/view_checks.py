@@ -141,15 +141,15 @@ def walker_entries(walker: Any) -> I64:
     """
     walk_array = getattr(walker, "walk_array", None)
     if walk_array is not None:
-        arr = walk_array()
-        if not (isinstance(arr, np.ndarray) and arr.ndim == 2 and arr.shape[1] == 3
-                and arr.dtype == np.int64):  # fmt: skip
+        got = walk_array()
+        if not (isinstance(got, np.ndarray) and got.ndim == 2 and got.shape[1] == 3
+                and got.dtype == np.int64):  # fmt: skip
             raise CanaryContractError(
                 "kv-canary: the prefix-cache walker's walk_array() must return an int64 [n, 3] "
-                f"array of (slot, position, prev_slot), got {type(arr).__name__} "
-                f"{getattr(arr, 'dtype', '')} {getattr(arr, 'shape', '')}"
+                f"array of (slot, position, prev_slot), got {type(got).__name__} "
+                f"{getattr(got, 'dtype', '')} {getattr(got, 'shape', '')}"
             )
-        out: I64 = arr
+        out: I64 = got
         return out
     entries = list(walker.walk())
     if not entries:
