@@ -214,6 +214,23 @@ def test_the_retry_budget_ends_in_a_per_request_error() -> None:
     assert sched.requests["c"] in sched.running  # everyone else keeps running
 
 
+def test_a_finished_request_tells_its_recomputes_once() -> None:
+    from vllm.v1.request import RequestStatus
+
+    sched = _Scheduler({"a": [3, 4], "c": [5]})
+    rec = SchedulerRecovery(retries=2)
+    rec.bind(sched)
+    for _ in range(2):
+        req = sched.requests["a"]
+        if req not in sched.running:
+            req.status = RequestStatus.RUNNING
+            sched.running.append(req)
+        _step(sched, {4}, _Meta(damage=(("a", 40, 1),)))
+    assert rec.finished("c") is None  # never recomputed: no kv_transfer_params of ours
+    assert rec.finished("a") == {"kvcanary_recomputes": 2}
+    assert rec.finished("a") is None and "a" not in rec.attempts  # forgotten once finished
+
+
 def test_policy_fail_fails_at_the_first_incident_through_vllm() -> None:
     sched = _Scheduler({"a": [3, 4]}, recompute=False)
     rec = SchedulerRecovery()

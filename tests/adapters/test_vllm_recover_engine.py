@@ -29,8 +29,9 @@ FAULTS = VLLM_FAULT_MODES
 
 def test_recover_campaign_delivers_no_corrupted_output(tmp_path: Path) -> None:
     out = tmp_path / "recover.json"
+    # vLLM's default process layout (engine core in a child process), as a user runs it
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("KVCANARY_")} | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+           if not k.startswith("KVCANARY_") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "kvcanary.cli", "vllm", "--kv-canary", "recover", "--faults",
          ",".join(FAULTS), "--seeds", "1", "--requests", "24", "--max-tokens", "16",
@@ -53,6 +54,7 @@ def test_recover_campaign_delivers_no_corrupted_output(tmp_path: Path) -> None:
     # a fault in a request's KV is recomputed; a bad idle cached block is only evicted
     assert rows["kv_flip_used"]["recovered"] >= 1 and rows["kv_flip_used"]["recompute_tokens"] > 0
     assert "kvcanary vllm --kv-canary recover" in result.stdout
+    assert doc["engine_core"] == "multiprocess" and doc["dtype"] == "float32"
 
 
 def test_the_server_keeps_serving_in_recover_mode(tmp_path: Path) -> None:

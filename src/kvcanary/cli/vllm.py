@@ -5,7 +5,7 @@ vLLM's `LLM` (engine core where `VLLM_ENABLE_V1_MULTIPROCESSING` puts it; vLLM's
 child process) and prints the `kvcanary run` summary plus vLLM's own counters. `--serve` runs the
 same workload over HTTP against vLLM's OpenAI server on 127.0.0.1. With `--faults` it runs the
 vLLM fault campaign instead (any process layout): per seed a clean run, then each fault armed
-once, correlated 1:1; with `--kv-canary recover` the outcome campaign (in-process engine core):
+once, correlated 1:1; with `--kv-canary recover` the outcome campaign (any process layout, one rank):
 every output compared with the fault-free run (`kvcanary.app.vllm.recover_campaign`).
 """
 
@@ -202,9 +202,11 @@ def vllm(
             raise BadInput("--faults needs --kv-canary-sweep-interval > 0 (kv_flip_cached is "
                            "found by the sweep); pass --kv-canary-sweep-interval 4")  # fmt: skip
         check_tensor_parallel(tensor_parallel_size)
-        if modes and config.recover and not _recover_in_process():
-            raise BadInput("--kv-canary recover --faults reads vLLM's scheduler in this process; "
-                           "run with VLLM_ENABLE_V1_MULTIPROCESSING=0")  # fmt: skip
+        if modes and config.recover and tensor_parallel_size != 1:
+            raise BadInput(f"--kv-canary recover --faults is a single-rank campaign (its "
+                           f"outcomes are validated on one rank only); got "
+                           f"--tensor-parallel-size {tensor_parallel_size}; pass "
+                           f"--tensor-parallel-size 1")  # fmt: skip
     except (ValueError, TypeError) as exc:
         raise BadInput(explain(str(exc), _CANARY_FLAGS)) from None
     _import_vllm()
@@ -372,12 +374,6 @@ def _campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
         raise typer.Exit(EXIT_VIOLATIONS)
 
 
-def _recover_in_process() -> bool:
-    from kvcanary.app.vllm.engine import in_process
-
-    return in_process()
-
-
 def _recover_campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
     """`--kv-canary recover --faults ...`: outputs against the fault-free run, per fault."""
     from rich.table import Table
@@ -391,8 +387,10 @@ def _recover_campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
 
     baseline, per_mode = _with_progress(run_vllm_recover_campaign, engine, spec)
     rows = recover_rows(baseline, per_mode)
+    layout = "in-process" if engine.in_process else "multiprocess"
     table = Table(title=f"kvcanary vllm --kv-canary recover ({spec.seeds} seeds, "
-                        f"{spec.requests} requests each, against the fault-free run)")  # fmt: skip
+                        f"{spec.requests} requests each, against the fault-free run; {engine.dtype}, "
+                        f"engine core {layout})")  # fmt: skip
     columns = ("name", "seeds", "fired", "corrupted_delivered", "failed", "recovered",
                "recompute_tokens", "incidents", "violations")  # fmt: skip
     for col in columns:
@@ -401,7 +399,8 @@ def _recover_campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
         table.add_row(*(str(row[c]) for c in columns))
     Console(width=max(Console().width, 132)).print(table)  # full column names
     if json_path is not None:
-        json_path.write_text(json.dumps(recover_json(baseline, per_mode), indent=2) + "\n")
+        doc = recover_json(baseline, per_mode) | {"dtype": engine.dtype, "engine_core": layout}
+        json_path.write_text(json.dumps(doc, indent=2) + "\n")
     for o in [*baseline, *(o for outs in per_mode.values() for o in outs)]:
         if o.corrupted_delivered or (o.name == "clean" and (o.incidents or o.violations)):
             faults = "none" if o.name == "clean" else o.name

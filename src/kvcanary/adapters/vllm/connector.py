@@ -403,10 +403,13 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
-        """Blocks are freed as usual."""
-        return False, None
+        """Blocks are freed as usual; mode `recover` tells the client how often the request was
+        recomputed (`kvcanary_recomputes` in its `kv_transfer_params`)."""
+        if self.recovery is None:
+            return False, None
+        return False, self.recovery.finished(str(request.request_id))
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
-        """Blocks are freed as usual (hybrid allocator)."""
-        return False, None
+        """As `request_finished` (hybrid allocator)."""
+        return self.request_finished(request, [])

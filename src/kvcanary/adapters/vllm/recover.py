@@ -276,6 +276,14 @@ class SchedulerRecovery:
                 sched._preempt_request(req, time.monotonic(), drop_stale_output=True)
         return skip
 
+    def finished(self, req_id: str) -> dict[str, Any] | None:
+        """A finished request's `kv_transfer_params` entry: how often it was recomputed (None:
+        never). vLLM hands it to the client with the request's output (`RequestOutput` and the
+        OpenAI server's `kv_transfer_params`), in any process layout. Forgets the request's
+        retry count, so a long-running server keeps none for finished requests."""
+        attempts = self.attempts.pop(req_id, 0)
+        return {"kvcanary_recomputes": attempts} if attempts else None
+
     def _fail(self, req: Any, d: Damage, fail_policy: bool) -> None:
         self.figures.failed += 1
         self.figures.failed_requests.add(d.req_id)

@@ -67,6 +67,9 @@ class VllmRun:
     violations: tuple[Violation, ...] = field(repr=False)
     outputs: tuple[tuple[int, ...], ...] = field(repr=False)
     finish_reasons: tuple[str | None, ...] = field(default=(), repr=False)
+    #: per request, how often mode `recover` recomputed it (`kvcanary_recomputes` of its
+    #: `kv_transfer_params`; 0 in other modes)
+    recomputes: tuple[int, ...] = field(default=(), repr=False)
 
 
 #: running per-rank counters `drain` sums (`recorded`: every violation, dropped details included)
@@ -229,7 +232,10 @@ class VllmEngine:
             figures["violations_per_rank"] = [b - a for a, b in zip(ranks0, ranks, strict=True)]
         outputs = tuple(tuple(o.outputs[0].token_ids) for o in outs)
         reasons = tuple(o.outputs[0].finish_reason for o in outs)
-        return VllmRun(figures, violations, outputs, finish_reasons=reasons)
+        recomputes = tuple(int((o.kv_transfer_params or {}).get("kvcanary_recomputes", 0))
+                           for o in outs)  # fmt: skip
+        return VllmRun(figures, violations, outputs, finish_reasons=reasons,
+                       recomputes=recomputes)  # fmt: skip
 
     @property
     def mode(self) -> str:

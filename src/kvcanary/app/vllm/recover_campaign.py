@@ -12,7 +12,10 @@ same workload. Every request vLLM delivers is compared with the reference:
 | `recompute_tokens` | positions dropped from the first bad block on and computed again |
 | `incidents` | damaged request-forwards the scheduler acted on |
 
-The figures come from the scheduler half's `SchedulerRecovery` (in-process engine core).
+The figures reach the driver through vLLM's own channels, so any process layout works (vLLM's
+default engine-core child process included): `incidents` and `recompute_tokens` from the
+scheduler half's connector stats on vLLM's metrics, `recovered` from each output's
+`kv_transfer_params` (`kvcanary_recomputes`, set by the connector's `request_finished`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcanary.adapters.vllm.state import STATE
 from kvcanary.app.vllm.campaign import VllmCampaignSpec
 from kvcanary.app.vllm.engine import VllmEngine, VllmRun
 from kvcanary.app.vllm.workload import VllmRequest, VllmWorkload
@@ -51,28 +53,17 @@ class VllmOutcome:
         return dict(self.__dict__)
 
 
-def _recovery() -> Any:
-    found = [c.recovery for c in STATE.live_connectors()
-             if getattr(c, "recovery", None) is not None and c.recovery.bound]  # fmt: skip
-    if not found:
-        raise RuntimeError("kv-canary: no bound scheduler recovery (needs mode recover and the "
-                           "engine core in this process)")  # fmt: skip
-    return found[-1]
-
-
-def _compare(name: str, seed: int, run: VllmRun, reference: VllmRun, before: dict[str, int],
+def _compare(name: str, seed: int, run: VllmRun, reference: VllmRun,
              fired: bool) -> VllmOutcome:  # fmt: skip
-    rec = _recovery()
-    after = rec.figures.as_dict()
     failed = [r == "error" for r in run.finish_reasons]
     corrupted = sum(1 for out, ref, bad in zip(run.outputs, reference.outputs, failed, strict=True)
                     if not bad and out != ref)  # fmt: skip
-    recovered = len(rec.figures.recovered_requests - rec.figures.failed_requests)
+    recovered = sum(1 for n, bad in zip(run.recomputes, failed, strict=True) if n and not bad)
     return VllmOutcome(
         name=name, seed=seed, requests=len(run.outputs), corrupted_delivered=corrupted,
         failed=sum(failed), recovered=recovered,
-        recompute_tokens=after["recompute_tokens"] - before["recompute_tokens"],
-        incidents=after["incidents"] - before["incidents"],
+        recompute_tokens=int(run.figures["recompute_tokens"]),
+        incidents=int(run.figures["incidents"]),
         violations=int(run.figures["violations"]), fired=fired,
     )  # fmt: skip
 
@@ -81,11 +72,6 @@ def _serve(engine: VllmEngine, spec: VllmCampaignSpec, workload: Sequence[VllmRe
            seed: int, mode: str | None, reference: VllmRun | None
            ) -> tuple[VllmRun, VllmOutcome]:  # fmt: skip
     engine.reset_prefix_cache()
-    rec = _recovery()
-    rec.figures.recovered_requests.clear()
-    rec.figures.failed_requests.clear()
-    rec.attempts.clear()
-    before = rec.figures.as_dict()
     if mode is not None:
         offset = random.Random(f"{mode}:{seed}").randrange(spec.warmup_steps)
         engine.arm(mode, seed=seed, steps_ahead=spec.warmup_steps + offset)
@@ -95,7 +81,7 @@ def _serve(engine: VllmEngine, spec: VllmCampaignSpec, workload: Sequence[VllmRe
     finally:
         if mode is not None:
             fired = bool(engine.disarm(sweep_interval=spec.sweep_interval))
-    outcome = _compare(mode or "clean", seed, run, reference or run, before, fired)
+    outcome = _compare(mode or "clean", seed, run, reference or run, fired)
     return run, outcome
 
 
@@ -105,7 +91,7 @@ def run_vllm_recover_campaign(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[list[VllmOutcome], dict[str, list[VllmOutcome]]]:
     """The clean reference and every armed fault on every seed (engine in mode `recover`, built
-    with `faults=True`, engine core in this process)."""
+    with `faults=True`, single rank)."""
     baseline: list[VllmOutcome] = []
     per_mode: dict[str, list[VllmOutcome]] = {m: [] for m in spec.modes}
     for seed in range(spec.first_seed, spec.first_seed + spec.seeds):
