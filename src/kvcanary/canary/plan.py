@@ -19,7 +19,7 @@ from kvcanary.canary.view_checks import (
     slot_error,
 )
 from kvcanary.contract.errors import CanaryContractError
-from kvcanary.contract.view import ForwardView
+from kvcanary.contract.view import ForwardView, TruthTable
 
 __all__ = [
     "GroupPlan",
@@ -198,6 +198,8 @@ def _truth_table(view: ForwardView, nrows: int, ncols: int, token_check: bool) -
     lens = np.zeros(nrows, dtype=np.int64)
     if not token_check or view.truth_tokens is None:
         return np.zeros((nrows, 0), dtype=np.int64), lens
+    if isinstance(view.truth_tokens, TruthTable):
+        return _truth_from_table(view.truth_tokens, nrows, ncols)
     try:
         seqs = [_truth_row(seq) for seq in list(view.truth_tokens)[:nrows]]
     except (TypeError, ValueError, OverflowError) as err:
@@ -211,6 +213,28 @@ def _truth_table(view: ForwardView, nrows: int, ncols: int, token_check: bool) -
         n = min(len(seq), width)
         table[r, :n] = seq[:n]
         lens[r] = len(seq)
+    return table, lens
+
+
+def _truth_from_table(tt: TruthTable, nrows: int, ncols: int) -> tuple[I64, I64]:
+    """`_truth_table` for a `TruthTable`: the same table (zeros past each row's length), built
+    with whole-array copies of the part the plan can read."""
+    tokens = as_int_array("truth_tokens.tokens", tt.tokens, 2)
+    given = as_int_array("truth_tokens.lens", tt.lens, 1)
+    n = min(len(given), nrows)
+    if n > tokens.shape[0]:
+        raise TypeError(
+            f"kv-canary: forward_view.truth_tokens has {len(given)} lengths but its table only "
+            f"{tokens.shape[0]} rows"
+        )
+    lens = np.zeros(nrows, dtype=np.int64)
+    lens[:n] = given[:n]
+    if n and int(lens[:n].min()) < 0:
+        raise TypeError("kv-canary: forward_view.truth_tokens has a negative row length")
+    width = min(int(lens.max()) if n else 0, ncols, tokens.shape[1])
+    table = np.zeros((nrows, width), dtype=np.int64)
+    table[:n] = tokens[:n, :width]
+    table[np.arange(width) >= lens[:, None]] = 0  # what the rows' own sequences leave at 0
     return table, lens
 
 
