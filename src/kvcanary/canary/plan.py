@@ -19,7 +19,7 @@ from kvcanary.canary.view_checks import (
     slot_error,
 )
 from kvcanary.contract.errors import CanaryContractError
-from kvcanary.contract.view import ForwardView
+from kvcanary.contract.view import ForwardView, TruthTable
 
 __all__ = [
     "GroupPlan",
@@ -33,6 +33,7 @@ __all__ = [
 
 I64 = npt.NDArray[np.int64]
 _NO_WINDOW = 1 << 62
+_SMALL_BATCH = 32  # rows up to which the per-forward row checks run on Python lists
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +67,15 @@ def _same_length(names: tuple[str, ...], arrays: tuple[npt.NDArray[Any], ...]) -
 def int64_copy(name: str, value: Any) -> I64:
     """A 1-D int64 copy of an int32/int64 tensor or array (`as_int_array`'s checks and errors);
     a CPU int64 tensor, the common case, takes the short path."""
+    # `ndim` and `is_cpu` are plain attributes (no call, no device object), and `detach` is
+    # needed only for a tensor that requires grad: a few hundred ns per array, six per forward.
     if (
         type(value) is torch.Tensor
         and value.dtype is torch.int64
-        and value.dim() == 1
-        and value.device.type == "cpu"
+        and value.ndim == 1
+        and value.is_cpu
     ):
-        out: I64 = value.detach().numpy().copy()
+        out: I64 = (value.detach() if value.requires_grad else value).numpy().copy()
         return out
     return as_int_array(name, value, 1).astype(np.int64)
 
@@ -80,6 +83,9 @@ def int64_copy(name: str, value: Any) -> I64:
 def _check_active_rows(rows: I64, extend_lens: I64, num_tokens: int) -> None:
     """Padding rows (0) only after the active rows, and the active rows' write lengths fit the
     `num_tokens` flat entries (SPEC §2.2)."""
+    if len(rows) <= _SMALL_BATCH:
+        _check_active_rows_small(rows.tolist(), extend_lens.tolist(), num_tokens)
+        return
     active_idx = np.flatnonzero(rows)
     n_active = len(active_idx)
     if n_active and int(active_idx[-1]) != n_active - 1:
@@ -93,9 +99,24 @@ def _check_active_rows(rows: I64, extend_lens: I64, num_tokens: int) -> None:
         return
     needed = needed_tokens(rows != 0, extend_lens, num_tokens)
     raise CanaryContractError(
-        f"kv-canary: forward_view active rows need {needed} tokens but only {num_tokens} "
-        "were given"
+        f"kv-canary: forward_view active rows need {needed} tokens but only {num_tokens} were given"
     )
+
+
+def _check_active_rows_small(rows: list[int], extend_lens: list[int], num_tokens: int) -> None:
+    """`_check_active_rows` for a few rows, on Python lists (no NumPy call: each costs about a
+    microsecond, more than these checks on a small batch); the same checks and messages."""
+    n_active = rows.index(0) if 0 in rows else len(rows)
+    if any(rows[n_active:]):
+        raise CanaryContractError(
+            f"kv-canary: forward_view padding row at index {n_active} precedes an active row"
+        )
+    needed = sum(e for e in extend_lens[:n_active] if e > 0)  # Python ints: exact, no overflow
+    if needed > num_tokens:
+        raise CanaryContractError(
+            f"kv-canary: forward_view active rows need {needed} tokens but only {num_tokens} "
+            "were given"
+        )
 
 
 def snapshot_view(
@@ -111,14 +132,18 @@ def snapshot_view(
     Rows that do not fit `req_to_token` (row index, negative prefix, too long) are checked once,
     by the plan builder (`build_group_plan`), which reads those rows anyway.
     """
-    rows, prefix_lens, extend_lens = (
-        int64_copy(n, getattr(view, n)) for n in ("rows", "prefix_lens", "extend_lens")
-    )
-    _same_length(("rows", "prefix_lens", "extend_lens"), (rows, prefix_lens, extend_lens))
-    flat = tuple(int64_copy(n, getattr(view, n)) for n in ("input_ids", "positions", "out_slots"))
-    _same_length(("input_ids", "positions", "out_slots"), flat)
+    rows = int64_copy("rows", view.rows)
+    prefix_lens = int64_copy("prefix_lens", view.prefix_lens)
+    extend_lens = int64_copy("extend_lens", view.extend_lens)
+    if not len(rows) == len(prefix_lens) == len(extend_lens):
+        _same_length(("rows", "prefix_lens", "extend_lens"), (rows, prefix_lens, extend_lens))
+    input_ids = int64_copy("input_ids", view.input_ids)
+    positions = int64_copy("positions", view.positions)
+    out_slots = int64_copy("out_slots", view.out_slots)
+    num_tokens = len(input_ids)
+    if not num_tokens == len(positions) == len(out_slots):
+        _same_length(("input_ids", "positions", "out_slots"), (input_ids, positions, out_slots))
     req_to_token = as_int_array("req_to_token", view.req_to_token, 2)
-    num_tokens = len(flat[0])
     _check_active_rows(rows, extend_lens, num_tokens)
     if len(rows) > capacities.write_req_capacity:
         raise CanaryContractError(
@@ -156,9 +181,9 @@ def snapshot_view(
         rows=rows,
         prefix_lens=prefix_lens,
         extend_lens=extend_lens,
-        input_ids=flat[0],
-        positions=flat[1],
-        out_slots=flat[2],
+        input_ids=input_ids,
+        positions=positions,
+        out_slots=out_slots,
         req_to_token=req_to_token,
         expected_tokens=exp_tok,
         expected_positions=exp_pos,
@@ -173,6 +198,8 @@ def _truth_table(view: ForwardView, nrows: int, ncols: int, token_check: bool) -
     lens = np.zeros(nrows, dtype=np.int64)
     if not token_check or view.truth_tokens is None:
         return np.zeros((nrows, 0), dtype=np.int64), lens
+    if isinstance(view.truth_tokens, TruthTable):
+        return _truth_from_table(view.truth_tokens, nrows, ncols)
     try:
         seqs = [_truth_row(seq) for seq in list(view.truth_tokens)[:nrows]]
     except (TypeError, ValueError, OverflowError) as err:
@@ -186,6 +213,28 @@ def _truth_table(view: ForwardView, nrows: int, ncols: int, token_check: bool) -
         n = min(len(seq), width)
         table[r, :n] = seq[:n]
         lens[r] = len(seq)
+    return table, lens
+
+
+def _truth_from_table(tt: TruthTable, nrows: int, ncols: int) -> tuple[I64, I64]:
+    """`_truth_table` for a `TruthTable`: the same table (zeros past each row's length), built
+    with whole-array copies of the part the plan can read."""
+    tokens = as_int_array("truth_tokens.tokens", tt.tokens, 2)
+    given = as_int_array("truth_tokens.lens", tt.lens, 1)
+    n = min(len(given), nrows)
+    if n > tokens.shape[0]:
+        raise TypeError(
+            f"kv-canary: forward_view.truth_tokens has {len(given)} lengths but its table only "
+            f"{tokens.shape[0]} rows"
+        )
+    lens = np.zeros(nrows, dtype=np.int64)
+    lens[:n] = given[:n]
+    if n and int(lens[:n].min()) < 0:
+        raise TypeError("kv-canary: forward_view.truth_tokens has a negative row length")
+    width = min(int(lens.max()) if n else 0, ncols, tokens.shape[1])
+    table = np.zeros((nrows, width), dtype=np.int64)
+    table[:n] = tokens[:n, :width]
+    table[np.arange(width) >= lens[:, None]] = 0  # what the rows' own sequences leave at 0
     return table, lens
 
 
@@ -278,5 +327,14 @@ def build_group_plan(
         int(out[7]),
         bool(out[8]),
         bool(out[10]),
-        int(np.count_nonzero(w_slots >= 0)),
+        _count_writes(w_slots),
     )
+
+
+def _count_writes(w_slots: I64) -> int:
+    """Entries that store a record: the translated write slots are in `[-1, num_slots)`, so
+    every negative one is -1 (a few entries: a Python count, cheaper than a NumPy call)."""
+    if len(w_slots) <= _SMALL_BATCH:
+        slots: list[int] = w_slots.tolist()
+        return len(slots) - slots.count(-1)
+    return int(np.count_nonzero(w_slots >= 0))

@@ -77,7 +77,9 @@ class ViolationRing:
 
     def pump(self, step: int) -> list[Violation]:
         """Turn rows recorded since the last pump into Violations stamped with `step`."""
-        total = self.write_index
+        total = int(self.state[0])
+        if total == self._last_reported and not self._dropped_rows:
+            return []  # nothing new (total <= capacity here): the common, clean case
         end = min(total, self.capacity)
         if total > self.capacity and not self._full_notice_logged:
             self._full_notice_logged = True

@@ -134,6 +134,17 @@ class Canary:
             for half in ("k", "v")
             for stage in ("head", "tail", "sweep")
         }
+        # Per stage, each endpoint's (group, tag, record words, sources) in launch order (SPEC
+        # §5: groups FULL then SWA, halves K then V), so a forward looks nothing up.
+        self._launches = {
+            stage: tuple(
+                (g, self._tags[stage, half, g.name], g.words(stage, half),
+                 g.stage_sources(stage, half))
+                for g in self.groups
+                for half in g.halves
+            )
+            for stage in ("head", "tail")
+        }  # fmt: skip
         stages = ("head", "tail", "sweep") if config.sweep_interval > 0 else ("head", "tail")
         self._active_tags = tuple(
             sorted(self._tags[stage, half, g.name] for g in self.groups for half in g.halves
@@ -309,44 +320,45 @@ class Canary:
         return plan
 
     def _run_stage(self, stage: str, snap: ViewSnapshot, plans: dict[str, GroupPlan]) -> None:
-        entries = sum(len(p.v_slot) + len(p.w_slots) for p in plans.values())
+        entries = 0
+        for p in plans.values():
+            entries += len(p.v_slot) + len(p.w_slots)
         with _LaunchThreads(entries):
             self._launch_stage(stage, snap, plans)
 
     def _launch_stage(self, stage: str, snap: ViewSnapshot, plans: dict[str, GroupPlan]) -> None:
         chain_position = self.chain_position_assert_enabled and snap.linear_chain
-        for g in self.groups:
+        recover = self.config.recover
+        scratch = self._pass_rows
+        for g, tag, words, src in self._launches[stage]:
             plan = plans[g.name]
-            for half in g.halves:
-                tag = self._tags[stage, half, g.name]
-                words, src = g.words(stage, half), g.stage_sources(stage, half)
-                if not plan.overflow:
-                    rows = self._verify(
-                        tag, words, src, plan.v_slot, plan.v_prev, plan.v_pos, plan.v_tok
-                    )
-                    if len(rows) and self.config.recover:
-                        self._incidents.verify_pass(
-                            stage=stage, tag=int(tag), step=self.step, rows=rows, snap=snap,
-                            plan=plan, words=words, src=src, window=g.window,
-                        )  # fmt: skip
-                else:
-                    self.kernel_run_counter[tag] += 1
-                scratch = self._pass_rows
-                scratch.prepare(2 * len(plan.w_slots))  # write-input + chain-position per entry
-                self._kernels.write(
-                    words, plan.seeds, plan.req_offsets, plan.w_slots, plan.shadowed, snap.input_ids,
-                    snap.positions, snap.write_assert, snap.expected_tokens,
-                    snap.expected_positions, chain_position, *src.words, src.params, src.count,
-                    int(tag), scratch.words, scratch.state,
-                )  # fmt: skip
-                rows = scratch.take()
+            if not plan.overflow:
+                rows = self._verify(
+                    tag, words, src, plan.v_slot, plan.v_prev, plan.v_pos, plan.v_tok
+                )
+                if recover and len(rows):
+                    self._incidents.verify_pass(
+                        stage=stage, tag=int(tag), step=self.step, rows=rows, snap=snap,
+                        plan=plan, words=words, src=src, window=g.window,
+                    )  # fmt: skip
+            else:
+                self.kernel_run_counter[tag] += 1
+            scratch.prepare(2 * len(plan.w_slots))  # write-input + chain-position per entry
+            self._kernels.write(
+                words, plan.seeds, plan.req_offsets, plan.w_slots, plan.shadowed, snap.input_ids,
+                snap.positions, snap.write_assert, snap.expected_tokens,
+                snap.expected_positions, chain_position, *src.words, src.params, src.count,
+                int(tag), scratch.words, scratch.state,
+            )  # fmt: skip
+            rows = scratch.take()
+            if len(rows):
                 self.ring.absorb(rows)
-                if len(rows) and self.config.recover:
+                if recover:
                     self._incidents.write_pass(
                         stage=stage, tag=int(tag), step=self.step, rows=rows, snap=snap, plan=plan
                     )
-                self.kernel_run_counter[tag] += 1
-                self.slot_run_counter[tag] += plan.num_writes
+            self.kernel_run_counter[tag] += 1
+            self.slot_run_counter[tag] += plan.num_writes
 
     def _verify(
         self,
@@ -366,7 +378,8 @@ class Canary:
             int(tag), scratch.words, scratch.state,
         )  # fmt: skip
         rows = scratch.take()
-        self.ring.absorb(rows)
+        if len(rows):
+            self.ring.absorb(rows)
         self.kernel_run_counter[tag] += 1
         self.slot_run_counter[tag] += len(slots)
         return rows

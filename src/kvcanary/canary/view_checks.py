@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 I64 = npt.NDArray[np.int64]
+_INT_TENSOR_DTYPES = (torch.int32, torch.int64)
 
 
 def as_int_array(name: str, value: Any, ndim: int | None = None) -> npt.NDArray[np.integer[Any]]:
@@ -36,6 +37,13 @@ def as_int_array(name: str, value: Any, ndim: int | None = None) -> npt.NDArray[
     other dtype, and for a value without one (a list, a tuple) with its type name in place of the
     dtype; CanaryContractError when `ndim` is given and the rank differs.
     """
+    if type(value) is torch.Tensor and value.is_cpu and value.dtype in _INT_TENSOR_DTYPES:
+        # the common case in one test: plain attributes, and `detach` only when grad is on
+        arr_fast: npt.NDArray[np.integer[Any]] = (
+            value.detach() if value.requires_grad else value
+        ).numpy()
+        if ndim is None or arr_fast.ndim == ndim:
+            return arr_fast
     if isinstance(value, torch.Tensor):
         if value.dtype not in (torch.int32, torch.int64):
             raise TypeError(
@@ -135,8 +143,22 @@ def walker_entries(walker: Any) -> I64:
     """A prefix-cache walk (SPEC §2.5) as an `[n, 3]` int64 array of (slot, position, prev_slot).
 
     CanaryContractError when the walker yields anything but integer triples that fit int64;
-    the slot values are range-checked per group by `GroupBuffers.translate`.
+    the slot values are range-checked per group by `GroupBuffers.translate`. A walker with a
+    `walk_array()` method (the same walk as one int64 `[n, 3]` array, see `PrefixCacheWalker`)
+    is read through it, without a Python step per entry.
     """
+    walk_array = getattr(walker, "walk_array", None)
+    if walk_array is not None:
+        got = walk_array()
+        if not (isinstance(got, np.ndarray) and got.ndim == 2 and got.shape[1] == 3
+                and got.dtype == np.int64):  # fmt: skip
+            raise CanaryContractError(
+                "kv-canary: the prefix-cache walker's walk_array() must return an int64 [n, 3] "
+                f"array of (slot, position, prev_slot), got {type(got).__name__} "
+                f"{getattr(got, 'dtype', '')} {getattr(got, 'shape', '')}"
+            )
+        out: I64 = got
+        return out
     entries = list(walker.walk())
     if not entries:
         return np.zeros((0, 3), dtype=np.int64)

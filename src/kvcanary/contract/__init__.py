@@ -16,7 +16,7 @@ from kvcanary.contract.transfer import (
     SidecarTransfer,
     layered_transfer_order,
 )
-from kvcanary.contract.view import ExpectedInputs, ForwardView
+from kvcanary.contract.view import ExpectedInputs, ForwardView, TruthTable
 from kvcanary.contract.violation import Violation
 from kvcanary.contract.walker import PrefixCacheWalker, walk_node_slots
 
@@ -40,6 +40,7 @@ __all__ = [
     "SidecarRecords",
     "SidecarTransfer",
     "TokenOracle",
+    "TruthTable",
     "Violation",
     "fail_reason_labels",
     "layered_transfer_order",

@@ -4,10 +4,39 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, overload
 
 import torch
 
-__all__ = ["ExpectedInputs", "ForwardView"]
+__all__ = ["ExpectedInputs", "ForwardView", "TruthTable"]
+
+
+class TruthTable(Sequence[Sequence[int]]):
+    """`ForwardView.truth_tokens` as one 2-D table read in place: active row `r`'s truth is
+    `tokens[r, : lens[r]]` (an engine's persistent token table, e.g. vLLM's `token_ids_cpu`, and
+    its lengths; int32/int64 arrays or CPU tensors). The canary copies the part it reads when
+    the view is snapshotted, with no Python step per row; indexing gives one row."""
+
+    __slots__ = ("lens", "tokens")
+
+    def __init__(self, tokens: Any, lens: Any) -> None:
+        self.tokens = tokens
+        self.lens = lens
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    @overload
+    def __getitem__(self, i: int) -> Sequence[int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Sequence[int]]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        return self.tokens[i, : int(self.lens[i])]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,6 +14,10 @@ class PrefixCacheWalker(Protocol):
     The walk is depth-first from the root (depth 0, parent-last -1). `unlocked_only` skips nodes
     held by running requests; `swa_resident_only` skips nodes whose SWA part was evicted. The
     engine guarantees the walk reflects the cache at the moment of the call (`end_step`).
+
+    A walker may also offer `walk_array(*, unlocked_only=False, swa_resident_only=False)`: the
+    same walk as one int64 NumPy array of shape `[n, 3]`; the canary's sweep then reads it
+    without a Python step per slot (not part of the protocol: plain `walk` suffices).
     """
 
     def walk(

@@ -126,9 +126,16 @@ class SnapshotWalker:
         self, *, unlocked_only: bool = False, swa_resident_only: bool = False
     ) -> Iterator[tuple[int, int, int]]:
         """Yield `(slot, position, prev_slot)` for every slot of every snapshot block."""
+        yield from (tuple(e) for e in self.walk_array(unlocked_only=unlocked_only).tolist())
+
+    def walk_array(
+        self, *, unlocked_only: bool = False, swa_resident_only: bool = False
+    ) -> npt.NDArray[np.int64]:
+        """The same walk as one `[n, 3]` int64 array (`PrefixCacheWalker.walk_array`: the
+        canary takes it without a Python step per slot)."""
         snap = self.snapshot
         if snap is None:
             self.missed += 1
-            return
+            return np.zeros((0, 3), dtype=np.int64)
         self.walks += 1
-        yield from (tuple(e) for e in expand(snap, unlocked_only).tolist())
+        return expand(snap, unlocked_only)

@@ -50,12 +50,15 @@ def build_forward_view(
     positions: npt.NDArray[np.integer],
     slot_mapping: npt.NDArray[np.integer],
     truth_tokens: Sequence[Sequence[int]] | None = None,
+    req_to_token: npt.NDArray[np.integer] | None = None,
 ) -> ForwardView:
     """One ForwardView for a vLLM-style batch: request `i` (persistent-batch row `i`) becomes view
     row `i + 1`; `prefix_lens` are the computed tokens and `extend_lens` the scheduled ones.
 
-    The flat arrays are copied and truncated to the scheduled token count. `req_to_token` is
-    derived from the block table at call time, so the view is not `mutable` (fault injection that
+    The flat arrays are truncated to the scheduled token count (views of the caller's arrays
+    where they already are int64; the canary snapshots them); slots below -1 become -1 (a copy).
+    `req_to_token` is derived from the block table at call time (or passed in, built by
+    `prep.StepPrep` from the same table), so the view is not `mutable` (fault injection that
     edits engine tables skips). Slots in the null block are passed through unchanged in
     `out_slots` (a write there is itself a bug the TAIL stage records).
     """
@@ -63,18 +66,21 @@ def build_forward_view(
     total = int(np.asarray(num_scheduled, dtype=np.int64).sum())
     prefix = np.asarray(num_computed[:num_reqs], dtype=np.int64).copy()
     extend = np.asarray(num_scheduled, dtype=np.int64).copy()
-    width = int((prefix + extend).max()) if num_reqs else 0
-    r2t = paged_req_to_token(block_table, num_reqs, block_size, width)
-    slots = np.asarray(slot_mapping[:total], dtype=np.int64).copy()
-    slots[slots < 0] = -1
+    if req_to_token is None:
+        width = int((prefix + extend).max()) if num_reqs else 0
+        req_to_token = paged_req_to_token(block_table, num_reqs, block_size, width)
+    slots = np.asarray(slot_mapping[:total], dtype=np.int64)
+    if slots.size and int(slots.min()) < -1:
+        slots = slots.copy()
+        slots[slots < 0] = -1
     return ForwardView(
         rows=torch.arange(1, num_reqs + 1, dtype=torch.int64),
         prefix_lens=torch.from_numpy(prefix),
         extend_lens=torch.from_numpy(extend),
-        input_ids=torch.from_numpy(np.asarray(input_ids[:total], dtype=np.int64).copy()),
-        positions=torch.from_numpy(np.asarray(positions[:total], dtype=np.int64).copy()),
+        input_ids=torch.from_numpy(np.asarray(input_ids[:total], dtype=np.int64)),
+        positions=torch.from_numpy(np.asarray(positions[:total], dtype=np.int64)),
         out_slots=torch.from_numpy(slots),
-        req_to_token=torch.from_numpy(r2t),
+        req_to_token=torch.from_numpy(req_to_token),
         truth_tokens=truth_tokens,
         mutable=False,
     )
@@ -125,7 +131,7 @@ def split_waves(view: ForwardView) -> list[ForwardView]:
         if not changed:
             break
     views = []
-    for w in range(max(wave) + 1):
+    for w in sorted(set(wave)):  # a cycle (two rows writing each other's prefix) skips levels
         sel = [i for i in range(n) if wave[i] == w]
         tok = np.concatenate([np.arange(starts[i], starts[i] + extend[i]) for i in sel])
         tok = tok.astype(np.int64)

@@ -22,10 +22,11 @@ import torch
 
 from kvcanary.adapters.vllm.layout import LayerSources, LayoutError, TokenByteMap, build_sources
 from kvcanary.adapters.vllm.layout import calibrate as calibrate_layout
+from kvcanary.adapters.vllm.prep import StepPrep
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
 from kvcanary.adapters.vllm.view import build_forward_view, split_waves
-from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, Violation
+from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, TruthTable, Violation
 
 if TYPE_CHECKING:
     from kvcanary.canary import Canary, CanaryConfig
@@ -100,6 +101,9 @@ class CanaryWorker:
         self.split_forwards = 0
         self.chunked_prefill_rows = 0
         self._waves: list[ForwardView] = []
+        self._prep: StepPrep | None = None  # req_to_token kept across steps, wave test
+        self.num_blocks = 0
+        self._tail_blocks: np.ndarray | None = None  # blocks TAIL reads (mirror re-gather)
         self._last_checks = 0
         self._dropped_seen: Counter[tuple[str, str]] = Counter()
         self.last_request_ids: list[str] = []
@@ -130,7 +134,8 @@ class CanaryWorker:
             logger.warning("kv-canary: KV block dim %d != block size %d; canary off",
                            kv.shape[2], self.block_size)  # fmt: skip
             return None
-        num_slots = int(kv.shape[0]) * self.block_size
+        self.num_blocks = int(kv.shape[0])
+        num_slots = self.num_blocks * self.block_size
         mode = self.config.real_data.value
         k_sources: tuple[Any, ...] = ()
         v_sources: tuple[Any, ...] = ()
@@ -195,18 +200,14 @@ class CanaryWorker:
         if canary is None or STATE.bypass:
             return
         t0 = time.perf_counter()
-        view = self._view(slot_mapping)
-        if view is None:
-            return
-        self._waves = split_waves(view)
-        self.split_forwards += len(self._waves) > 1
-        if self.sources is not None and self.sources.mirror is not None:
-            r2t = view.req_to_token.numpy()
-            blocks = np.unique(np.concatenate(
-                [r2t[view.rows.numpy()].ravel(), view.out_slots.numpy()]) // self.block_size)
-            self.sources.mirror.refresh(blocks)
         try:
-            canary.pre_forward(view=self._waves[0])
+            view = self._view(slot_mapping)
+            if view is None:
+                return
+            assert self._prep is not None
+            self._waves = split_waves(view) if self._prep.cross else [view]
+            self.split_forwards += len(self._waves) > 1
+            canary.pre_forward(view=self._waves[0])  # HEAD folds no real KV: no mirror re-gather
         except Exception:
             self._waves = []
             raise
@@ -222,10 +223,8 @@ class CanaryWorker:
         waves, self._waves = self._waves, []
         try:
             mirror = self.sources.mirror if self.sources is not None else None
-            if mirror is not None:  # TAIL reads the slots this forward wrote
-                written = waves[0].out_slots.numpy() if len(waves) == 1 else np.concatenate(
-                    [w.out_slots.numpy() for w in waves])
-                mirror.refresh(np.unique(written[written > 0] // self.block_size))
+            if mirror is not None and self._tail_blocks is not None:
+                mirror.refresh(self._tail_blocks)  # what TAIL reads, at check time
             canary.post_forward(view=waves[0])
             for later in waves[1:]:  # rows that hit prefix blocks written by this forward
                 canary.pre_forward(view=later)
@@ -234,7 +233,7 @@ class CanaryWorker:
                 self.hooks.after_forward(runner=self.runner, step=canary.step)
             self.walker.snapshot = snapshot
             if snapshot is not None and mirror is not None and canary.sweep_due:
-                mirror.refresh(np.unique(snapshot.rows[:, 0]))
+                mirror.refresh(snapshot.rows[:, 0])  # a snapshot names each block once
             sweeps = canary.sweep_passes
             walks = self.walker.walks
             try:
@@ -259,6 +258,7 @@ class CanaryWorker:
         if total == 0:
             return None
         bt = ib.block_table[0]
+        b = self.block_size
         mapping = None
         if isinstance(slot_mapping, dict) and slot_mapping:
             mapping = slot_mapping.get(runner.kv_cache_config.kv_cache_groups[0].layer_names[0])
@@ -270,14 +270,21 @@ class CanaryWorker:
         )
         truth = None
         if self.config.enable_verify_token_assert:
-            lens = ib.num_tokens_no_spec[:num_reqs]
-            truth = [ib.token_ids_cpu[i, : int(lens[i])] for i in range(num_reqs)]
+            # the persistent token table, read in place (the canary copies what it checks)
+            truth = TruthTable(ib.token_ids_cpu, ib.num_tokens_no_spec[:num_reqs])
         self.last_request_ids = list(ib.req_ids[:num_reqs])
+        table = bt.block_table.np
+        if self._prep is None:
+            self._prep = StepPrep(table, b, self.num_blocks)
+        slots = mapping[:total].numpy()
+        r2t = self._prep.run(table, num_reqs, computed, num_scheduled, slots)
+        mirrored = self.sources is not None and self.sources.mirror is not None
+        self._tail_blocks = self._prep.tail_blocks if mirrored else None
         return build_forward_view(
-            block_table=bt.block_table.np, block_size=int(bt.block_size), num_computed=computed,
+            block_table=table, block_size=b, num_computed=computed,
             num_scheduled=num_scheduled, input_ids=runner.input_ids.cpu[:total].numpy(),
-            positions=runner.positions[:total].numpy(), slot_mapping=mapping[:total].numpy(),
-            truth_tokens=truth,
+            positions=runner.positions[:total].numpy(), slot_mapping=slots,
+            truth_tokens=truth, req_to_token=r2t,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ figures

@@ -40,9 +40,9 @@ __all__ = [
     "record_seconds",
 ]
 
-#: what a cold `kvcanary run` compiles for on an idle 2-core machine (about 15 CPU seconds,
-#: bench/cold_start.py); `estimate_seconds` prefers what the last cold run here measured
-COLD_START_SECONDS = 20
+#: what a cold `kvcanary run` spends compiling on an idle 2-core machine (`precompile` on both
+#: cores, bench/cold_start.py); `estimate_seconds` prefers what the last cold run here measured
+COLD_START_SECONDS = 10
 _LAST = "last-compile-seconds"  # beside the per-digest folders, so it outlives kernel edits
 
 _KERNELS = Path(__file__).resolve().parent

@@ -1,0 +1,150 @@
+"""The vLLM adapter's per-step shortcuts equal what they replace: the persistent `req_to_token`
+(`prep.StepPrep`) equals a full rebuild, byte for byte, over seeded sequences of steps with
+adds, growth, finishes, preemptions, row moves and garbage; its block-level wave test never
+misses a split the slot-level one makes; its TAIL block list covers every block TAIL reads; the
+snapshot walker's array equals its tuples (no vLLM needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcanary.adapters.vllm.layout import KvMirror
+from kvcanary.adapters.vllm.prep import StepPrep
+from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
+from kvcanary.adapters.vllm.view import build_forward_view, paged_req_to_token, split_waves
+from kvcanary.canary.view_checks import walker_entries
+
+ROWS, MAX_BLOCKS, NUM_BLOCKS = 6, 8, 40
+
+
+def _step(rng: np.random.Generator, bt: np.ndarray, nblk: np.ndarray) -> None:
+    """One engine step's edits of a vLLM-style persistent block table."""
+    for _ in range(int(rng.integers(1, 4))):
+        r = int(rng.integers(0, ROWS))
+        op = int(rng.integers(0, 6))
+        if op == 0 and nblk[r] < MAX_BLOCKS:  # add / grow a request: append blocks
+            k = int(rng.integers(1, MAX_BLOCKS - nblk[r] + 1))
+            bt[r, nblk[r] : nblk[r] + k] = rng.integers(0, NUM_BLOCKS, k)
+            nblk[r] += k
+        elif op == 1:  # finish: vLLM leaves the ids, resets the count
+            nblk[r] = 0
+        elif op == 2:  # preempt / clear_row: ids zeroed
+            bt[r, : nblk[r]] = 0
+            nblk[r] = 0
+        elif op == 3:  # move a row (condense / swap_row)
+            t = int(rng.integers(0, ROWS))
+            bt[[r, t]] = bt[[t, r]]
+            nblk[[r, t]] = nblk[[t, r]]
+        elif op == 4:  # a fault: one id changed in place
+            bt[r, int(rng.integers(0, MAX_BLOCKS))] = int(rng.integers(0, NUM_BLOCKS))
+        # op 5: nothing changes this step
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from([1, 2, 16]))
+@settings(max_examples=60, deadline=None)
+def test_incremental_req_to_token_equals_a_rebuild_every_step(seed: int, b: int) -> None:
+    rng = np.random.default_rng(seed)
+    bt = np.zeros((ROWS, MAX_BLOCKS), dtype=np.int32)
+    nblk = np.zeros(ROWS, dtype=np.int64)
+    prep = StepPrep(bt, b, NUM_BLOCKS)
+    for _ in range(40):
+        _step(rng, bt, nblk)
+        num_reqs = int(rng.integers(0, ROWS + 1))
+        computed = rng.integers(0, (MAX_BLOCKS + 2) * b, num_reqs).astype(np.int32)
+        scheduled = rng.integers(0, b + 1, num_reqs).astype(np.int64)
+        slots = rng.integers(-1, NUM_BLOCKS * b, int(scheduled.sum())).astype(np.int64)
+        got = prep.run(bt, num_reqs, computed, scheduled, slots)
+        need = int((computed.astype(np.int64) + scheduled).max()) if num_reqs else 0
+        nb = max(1, min(-(-need // b), MAX_BLOCKS))  # may ask past the table: clamped
+        want = paged_req_to_token(bt, num_reqs, b, nb * b)
+        assert got.shape[0] == num_reqs + 1 and got.shape[1] >= nb * b
+        assert got.dtype == np.int64 and got.flags.c_contiguous
+        np.testing.assert_array_equal(got[:, : nb * b], want)
+        assert (prep._owner == -1).all()  # the scratch is clean between calls
+
+
+def test_incremental_req_to_token_sees_an_edit_of_a_block_it_expanded_before() -> None:
+    bt = np.array([[3, 4, 0]], dtype=np.int32)
+    prep = StepPrep(bt, 2, 8)
+    one = np.ones(1, dtype=np.int64)
+    assert prep.run(bt, 1, np.array([3]), one, np.array([9]))[1, :4].tolist() == [6, 7, 8, 9]
+    bt[0, 0] = 0  # the null block reads as slot 0
+    bt[0, 1] = 5
+    assert prep.run(bt, 1, np.array([3]), one, np.array([11]))[1, :4].tolist() == [0, 0, 10, 11]
+    assert sorted(prep.tail_blocks.tolist()) == [0, 5, 5] and not prep.cross
+
+
+def _random_case(rng: np.random.Generator, b: int):
+    n = int(rng.integers(1, 5))
+    bt = rng.integers(0, 6, (n, 4)).astype(np.int32)  # few blocks: sharing is common
+    computed = rng.integers(0, 3 * b, n)
+    scheduled = rng.integers(0, b + 1, n)
+    slots, ids, pos = [], [], []
+    for r in range(n):
+        for p in range(int(computed[r]), int(computed[r] + scheduled[r])):
+            slots.append(int(bt[r, p // b]) * b + p % b if rng.random() > 0.1 else
+                         int(rng.integers(-1, 7 * b)))  # fmt: skip
+            ids.append(1 + p)
+            pos.append(p)
+    return bt, computed, scheduled, np.array(slots, dtype=np.int64), ids, pos
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from([1, 2, 4]))
+@settings(max_examples=300, deadline=None)
+def test_block_level_wave_test_never_misses_a_split_and_tail_covers_tail(seed: int, b: int) -> None:
+    bt, computed, scheduled, slots, ids, pos = _random_case(np.random.default_rng(seed), b)
+    n = len(bt)
+    prep = StepPrep(bt, b, 6)  # blocks >= 6 are outside the cache
+    r2t = prep.run(bt, n, computed, scheduled.astype(np.int64), slots)
+    view = build_forward_view(
+        block_table=bt, block_size=b, num_computed=computed, num_scheduled=scheduled,
+        input_ids=np.array(ids, dtype=np.int64), positions=np.array(pos, dtype=np.int64),
+        slot_mapping=slots, req_to_token=r2t,
+    )  # fmt: skip
+    if not prep.cross:
+        assert len(split_waves(view)) == 1
+    read = {int(s) // b for r in range(n) for s in r2t[r + 1, : computed[r]]}
+    read |= {int(s) // b for s in slots if s >= 0}
+    assert {x for x in read if x < 6} <= set(prep.tail_blocks.tolist())
+    assert prep.min_slot == min(0, int(slots.min()) if slots.size else 0)
+
+
+def test_walker_array_equals_its_tuples_and_feeds_the_canary() -> None:
+    rows = np.array([[3, 0, -1, 0], [5, 1, 3, 1], [2, 4, -2, 0]], dtype=np.int64)
+    walker = SnapshotWalker()
+    walker.snapshot = BlockSnapshot(rows=rows, block_size=4)
+    tuples = list(walker.walk())
+    arr = walker_entries(walker)
+    assert arr.dtype == np.int64 and arr.shape == (12, 3)
+    assert [tuple(e) for e in arr.tolist()] == tuples
+    assert tuples[4] == (20, 4, 15) and tuples[8] == (8, 16, 0)
+    assert walker.walks == 2
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]),
+       st.booleans())  # fmt: skip
+@settings(max_examples=60, deadline=None)
+def test_compiled_mirror_refresh_gathers_exactly_the_listed_blocks(
+    seed: int, dtype: torch.dtype, aligned: bool
+) -> None:
+    rng = np.random.default_rng(seed)
+    cache = torch.from_numpy(rng.integers(0, 256, (7, 2, 4, 8), dtype=np.uint8)).view(dtype)
+    flat = cache.view(torch.uint8).reshape(7, -1).numpy()
+    es = cache.element_size()
+    if aligned:  # whole elements, as the layout probe finds them
+        elems = rng.choice(flat.shape[1] // es, 6, replace=False)
+        gather = (elems[:, None] * es + np.arange(es)).ravel()
+    else:
+        gather = rng.choice(flat.shape[1], 10, replace=False)
+    mirror = KvMirror(cache, gather)
+    blocks = rng.integers(-2, 10, 5)  # ids outside the cache are skipped
+    mirror.refresh(blocks)
+    want = np.zeros((7, len(gather)), dtype=np.uint8)
+    inside = blocks[(blocks >= 0) & (blocks < 7)]
+    want[inside] = flat[inside][:, gather]
+    np.testing.assert_array_equal(mirror.rows.numpy(), want)
+    mirror.refresh()
+    np.testing.assert_array_equal(mirror.rows.numpy(), flat[:, gather])
