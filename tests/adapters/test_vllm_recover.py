@@ -196,18 +196,23 @@ def test_damage_vllms_prefix_rule_misses_is_still_skipped() -> None:
     assert sched.preempted == ["a"]
 
 
-def test_the_retry_budget_ends_in_a_per_request_error() -> None:
+def _resume_and_damage_a(sched: _Scheduler) -> None:
+    """One more step in which request `a` (resumed first if it was preempted) reads bad block 4."""
     from vllm.v1.request import RequestStatus
 
+    req = sched.requests["a"]
+    if req not in sched.running:  # vLLM resumes the preempted request
+        req.status = RequestStatus.RUNNING
+        sched.running.append(req)
+    _step(sched, {4}, _Meta(damage=(("a", 40, 1),)))
+
+
+def test_the_retry_budget_ends_in_a_per_request_error() -> None:
     sched = _Scheduler({"a": [3, 4], "c": [5]})
     rec = SchedulerRecovery(retries=2)
     rec.bind(sched)
     for attempt in range(3):
-        req = sched.requests["a"]
-        if req not in sched.running:  # vLLM resumes the preempted request
-            req.status = RequestStatus.RUNNING
-            sched.running.append(req)
-        _step(sched, {4}, _Meta(damage=(("a", 40, 1),)))
+        _resume_and_damage_a(sched)
         assert (sched.encoder_cache_mismatch_reqs == {"a"}) == (attempt == 2)
     assert sched.preempted == ["a", "a"] and rec.figures.failed == 1
     assert rec.figures.failed_requests == {"a"} and "a" not in rec.figures.recovered_requests
@@ -215,17 +220,11 @@ def test_the_retry_budget_ends_in_a_per_request_error() -> None:
 
 
 def test_a_finished_request_tells_its_recomputes_once() -> None:
-    from vllm.v1.request import RequestStatus
-
     sched = _Scheduler({"a": [3, 4], "c": [5]})
     rec = SchedulerRecovery(retries=2)
     rec.bind(sched)
     for _ in range(2):
-        req = sched.requests["a"]
-        if req not in sched.running:
-            req.status = RequestStatus.RUNNING
-            sched.running.append(req)
-        _step(sched, {4}, _Meta(damage=(("a", 40, 1),)))
+        _resume_and_damage_a(sched)
     assert rec.finished("c") is None  # never recomputed: no kv_transfer_params of ours
     assert rec.finished("a") == {"kvcanary_recomputes": 2}
     assert rec.finished("a") is None and "a" not in rec.attempts  # forgotten once finished

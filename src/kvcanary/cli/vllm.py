@@ -370,7 +370,7 @@ def _campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
     if json_path is not None:
         doc = campaign_json(baseline, summaries) | {
             "outputs_differing": result.outputs_differing, "dtype": engine.dtype,
-            "engine_core": "in-process" if engine.in_process else "multiprocess",
+            "engine_core": engine.engine_core,
         }  # fmt: skip
         json_path.write_text(json.dumps(doc, indent=2) + "\n")
     failing = [(o.name, o.seed) for o in baseline if o.violations] + [
@@ -395,10 +395,9 @@ def _recover_campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
 
     baseline, per_mode = _with_progress(run_vllm_recover_campaign, engine, spec)
     rows = recover_rows(baseline, per_mode)
-    layout = "in-process" if engine.in_process else "multiprocess"
     table = Table(title=f"kvcanary vllm --kv-canary recover ({spec.seeds} seeds, "
                         f"{spec.requests} requests each, against the fault-free run; {engine.dtype}, "
-                        f"engine core {layout})")  # fmt: skip
+                        f"engine core {engine.engine_core})")  # fmt: skip
     columns = ("name", "seeds", "fired", "corrupted_delivered", "failed", "recovered",
                "recompute_tokens", "incidents", "violations")  # fmt: skip
     for col in columns:
@@ -407,7 +406,7 @@ def _recover_campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
         table.add_row(*(str(row[c]) for c in columns))
     Console(width=max(Console().width, 132)).print(table)  # full column names
     if json_path is not None:
-        doc = recover_json(baseline, per_mode) | {"dtype": engine.dtype, "engine_core": layout}
+        doc = recover_json(baseline, per_mode) | {"dtype": engine.dtype, "engine_core": engine.engine_core}
         json_path.write_text(json.dumps(doc, indent=2) + "\n")
     for o in [*baseline, *(o for outs in per_mode.values() for o in outs)]:
         if o.corrupted_delivered or (o.name == "clean" and (o.incidents or o.violations)):

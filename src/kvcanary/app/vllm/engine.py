@@ -211,7 +211,7 @@ class VllmEngine:
             "spec_accepted_tokens": 0,
             "wall_seconds": round(wall, 3),
             "canary_mode": self.mode,
-            "engine_core": "in-process" if self.in_process else "multiprocess",
+            "engine_core": self.engine_core,
             "dtype": self.dtype,
             "tensor_parallel_size": self.settings.tensor_parallel_size,
             "seed": seed,
@@ -236,6 +236,11 @@ class VllmEngine:
                            for o in outs)  # fmt: skip
         return VllmRun(figures, violations, outputs, finish_reasons=reasons,
                        recomputes=recomputes)  # fmt: skip
+
+    @property
+    def engine_core(self) -> str:
+        """Where vLLM runs its engine core: `in-process` or `multiprocess` (its default)."""
+        return "in-process" if self.in_process else "multiprocess"
 
     @property
     def mode(self) -> str:
