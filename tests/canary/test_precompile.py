@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary.canary.kernels import precompile
+from kvcanary.canary.kernels import fast, precompile
 
-_KERNELS = ("build_plan", "verify", "write_parallel")
+_KERNELS = ("build_plan", "verify", "write")
 
 
 def _env(cache_home: Path) -> dict[str, str]:
@@ -24,11 +24,11 @@ def _env(cache_home: Path) -> dict[str, str]:
 
 _RUN_THEN_SIGNATURES = """
 import contextlib, json, runpy, sys
-from kvcanary.canary.kernels.precompile import dispatcher
+from kvcanary.canary.kernels import fast
 names, sys.argv = sys.argv[1:], ["kvcanary", "run", "--requests", "6", "--quiet"]
 with contextlib.suppress(SystemExit):
     runpy.run_module("kvcanary.cli", run_name="__main__")
-print(json.dumps({n: [str(s) for s in dispatcher(n).signatures] for n in names}))
+print(json.dumps({n: [str(s) for s in getattr(fast, n).signatures] for n in names}))
 """
 
 
@@ -46,11 +46,11 @@ def test_the_runtime_calls_exactly_the_precompiled_signatures() -> None:
 
 _STATS = """
 import json
-from kvcanary.canary.kernels import precompile
+from kvcanary.canary.kernels import fast, precompile
 precompile.precompile(cores=1)
-print(json.dumps({n: [sum(precompile.dispatcher(n).stats.cache_hits.values()),
-                      sum(precompile.dispatcher(n).stats.cache_misses.values())]
-                  for n in ("build_plan", "verify", "write_parallel")}))
+print(json.dumps({n: [sum(getattr(fast, n).stats.cache_hits.values()),
+                      sum(getattr(fast, n).stats.cache_misses.values())]
+                  for n in ("build_plan", "verify", "write")}))
 """
 
 _PRECOMPILE_TWO_CORES = "from kvcanary.canary.kernels import precompile; precompile.precompile(2)"
@@ -81,7 +81,7 @@ def test_a_failing_child_is_compiled_here_instead(monkeypatch: pytest.MonkeyPatc
     precompile.precompile(cores=2)
     assert started == list(precompile.GROUPS[1:])
     for name, signature in precompile.signatures().items():
-        assert signature in precompile.dispatcher(name).overloads
+        assert signature in getattr(fast, name).overloads
 
 
 def test_one_core_compiles_every_group_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +91,7 @@ def test_one_core_compiles_every_group_in_process(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(precompile, "_start_child", no_child)
     precompile.precompile(cores=1)
     for name, signature in precompile.signatures().items():
-        assert signature in precompile.dispatcher(name).overloads
+        assert signature in getattr(fast, name).overloads
 
 
 def test_groups_cover_every_kernel_once() -> None:

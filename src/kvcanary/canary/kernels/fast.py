@@ -12,8 +12,7 @@ This module is the facade; the kernels live in one module per concept:
 * `fast_plan`: `build_plan`;
 * `fast_verify`: `verify` and its chunked / vectorized violation counters;
 * `fast_write_lanes`: the per-entry steps of a write chain and four-lane lockstep;
-* `fast_write`: `write` (a Python dispatch to `write_parallel` or, when a plan writes a slot
-  twice, `write_in_order`), the parallel chain tasks and the ring replay.
+* `fast_write`: `write`, its parallel chain tasks and the ring replay.
 
 Performance (bench/kernels.py): each module's docstring notes what its kernel does for speed.
 Each kernel is one parallel region (a thread barrier): a barrier waits for every worker thread,

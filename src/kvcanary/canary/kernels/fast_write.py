@@ -1,6 +1,5 @@
-"""Numba `write`: one serial chain per request, parallel across requests (`write_parallel`) or
-in flat order when a plan writes a slot twice (`write_in_order`), then record rows by a serial
-replay in plan order (SPEC §5, §14.1).
+"""Numba `write`: one serial chain per request, parallel across requests, then record rows by a
+serial replay in plan order (SPEC §5).
 
 Performance (bench/kernels.py): write interleaves up to four requests' chains per task (each
 chain is a serial mix3 dependency, so the CPU overlaps them), and without real-KV sources or
@@ -250,15 +249,19 @@ def _chains_in_order(  # type: ignore[no-untyped-def]
     return bad
 
 
-@njit(cache=True)
-def _starts(buf, seeds):  # type: ignore[no-untyped-def]
-    """Each request's running hash and position before its first entry, read from its seed
-    record before any record of this endpoint is written (snapshot, SPEC §14.1)."""
+@njit(cache=True, parallel=True)
+def write(  # type: ignore[no-untyped-def]
+    buf, seeds, req_offsets, w_slots, in_order, input_ids, positions, do_assert, exp_tok,
+    exp_pos, chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
+):  # fmt: skip
+    """Write one serial chain per request (parallel across requests, or in flat order when
+    `in_order`, the plan's `shadowed`), then record rows."""
     nreq = seeds.shape[0]
-    # np.empty, not np.zeros: in a parallel caller numba would run np.zeros as a parallel loop,
-    # and every parallel region is a thread barrier, slow when another process holds a core.
+    # np.empty, not np.zeros: in a parallel function numba runs np.zeros as a parallel loop, and
+    # every parallel region is a thread barrier, slow when another process holds a core.
     start_hash = np.empty(nreq, dtype=np.uint64)
     start_pos = np.empty(nreq, dtype=np.int64)
+    # Seeds are read before any record of this endpoint is written (snapshot, SPEC §14.1).
     for r in range(nreq):
         seed = seeds[r]
         if seed >= 1:
@@ -267,19 +270,25 @@ def _starts(buf, seeds):  # type: ignore[no-untyped-def]
         else:
             start_hash[r] = HEAD_HASH_U64
             start_pos[r] = 0
-    return start_hash, start_pos
-
-
-@njit(cache=True)
-def _record_rows(  # type: ignore[no-untyped-def]
-    bad, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-    chain_position, start_hash, start_pos, tag, ring, state,
-):  # fmt: skip
-    """Replay (no writes) the chain of each request marked `bad` and record its rows in entry
-    order."""
-    for r in range(seeds.shape[0]):
+    if in_order:
+        bad = _chains_in_order(
+            buf, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos, seeds,
+            chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+        )  # fmt: skip
+    elif count == 0 and not do_assert:
+        bad = _chains_plain(
+            buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash,
+            start_pos,
+        )  # fmt: skip
+    else:
+        bad = _chains_folded(
+            buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+            chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+        )  # fmt: skip
+    for r in range(nreq):
         if not bad[r]:
             continue
+        # Replay the chain (no writes) to record this request's rows in entry order.
         running = start_hash[r]
         do_pos = chain_position and seeds[r] >= 1
         prev_pos = start_pos[r]
@@ -298,61 +307,3 @@ def _record_rows(  # type: ignore[no-untyped-def]
                 _record(ring, state, tag, slot, pos, tok, tok, running, prev_pos + 1, 16)
             prev_pos = pos
             running = mix3(running, uint64(tok), uint64(pos))
-
-
-@njit(cache=True, parallel=True)
-def write_parallel(  # type: ignore[no-untyped-def]
-    buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-    chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
-):  # fmt: skip
-    """`write` for a plan that writes no slot twice: the requests' chains in parallel tasks."""
-    start_hash, start_pos = _starts(buf, seeds)
-    if count == 0 and not do_assert:
-        bad = _chains_plain(
-            buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash,
-            start_pos,
-        )  # fmt: skip
-    else:
-        bad = _chains_folded(
-            buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-            chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
-        )  # fmt: skip
-    _record_rows(
-        bad, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-        chain_position, start_hash, start_pos, tag, ring, state,
-    )  # fmt: skip
-
-
-@njit(cache=True)
-def write_in_order(  # type: ignore[no-untyped-def]
-    buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-    chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
-):  # fmt: skip
-    """`write` for a plan that writes some slot twice: every chain on this thread, in flat
-    order (`_chains_in_order`)."""
-    start_hash, start_pos = _starts(buf, seeds)
-    bad = _chains_in_order(
-        buf, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos, seeds,
-        chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
-    )  # fmt: skip
-    _record_rows(
-        bad, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-        chain_position, start_hash, start_pos, tag, ring, state,
-    )  # fmt: skip
-
-
-def write(  # type: ignore[no-untyped-def]
-    buf, seeds, req_offsets, w_slots, in_order, input_ids, positions, do_assert, exp_tok,
-    exp_pos, chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
-):  # fmt: skip
-    """Write one serial chain per request (parallel across requests, or in flat order when
-    `in_order`, the plan's `shadowed`), then record rows.
-
-    Two compiled kernels, not one with a branch: a plan writes a slot twice only under the
-    double-allocation bug class, so a clean run never compiles `write_in_order` (a cold start
-    compiles only what it runs)."""
-    kernel = write_in_order if in_order else write_parallel
-    kernel(
-        buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-        chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
-    )  # fmt: skip

@@ -1,8 +1,8 @@
 """Compile the fast kernels for the runtime's signatures before a first run, on every core.
 
 A cold first run spends nearly all of its extra time in numba's compiler, which holds the GIL: a
-single process compiles `build_plan`, `verify` and `write_parallel` (what `write` runs for a
-plan that writes no slot twice) one after the other. The three are independent (they share only small intrinsics), so `precompile()` splits them into groups of
+single process compiles `build_plan`, `verify` and `write` one after the other. The three are
+independent (they share only small intrinsics), so `precompile()` splits them into groups of
 about equal compile time and compiles one group in this process while the others compile in child
 processes (`python -m kvcanary.canary.kernels.precompile GROUP`). Each process writes numba's
 cache (files per function, replaced atomically by numba); this process then loads what the
@@ -14,8 +14,6 @@ that passes other types still works: numba compiles that signature on its first 
 (tests/canary/test_precompile.py checks that a run after `precompile()` compiles nothing).
 
 A child that fails or cannot start costs only time: its group is then compiled here.
-`write_in_order` (a plan that writes a slot twice: the double-allocation fault class) is not
-precompiled: a clean run never calls it, and numba compiles it (~1.5 s) on its first call.
 """
 
 from __future__ import annotations
@@ -32,9 +30,9 @@ import kvcanary
 from kvcanary.canary.kernels import compile_cache
 from kvcanary.canary.kernels.fast_plan import build_plan
 from kvcanary.canary.kernels.fast_verify import verify
-from kvcanary.canary.kernels.fast_write import write_parallel
+from kvcanary.canary.kernels.fast_write import write
 
-__all__ = ["GROUPS", "compile_group", "dispatcher", "precompile", "signatures"]
+__all__ = ["GROUPS", "compile_group", "precompile", "signatures"]
 
 _I64 = types.Array(types.int64, 1, "C")
 _U64_2D = types.Array(types.uint64, 2, "C")
@@ -49,32 +47,18 @@ _RING = (_N, _U64_2D, _I64)  # launch tag, ring rows (u64 view), ring state
 _SIGNATURES: dict[str, tuple[types.Type, ...]] = {
     "build_plan": (_I64, _I64, _I64, _I32_2D, _I64, _I64, _B, _N, _N, _I64_2D, _I64, _N, _N, _I64),
     "verify": (_U64_2D, _I64, _I64, _I64, _I64, *_SOURCES, *_RING),
-    "write_parallel": (
-        _U64_2D,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _B,
-        _I64,
-        _I64,
-        _B,
-        *_SOURCES,
-        *_RING,
-    ),
+    "write": (_U64_2D, _I64, _I64, _I64, _B, _I64, _I64, _B, _I64, _I64, _B, *_SOURCES, *_RING),
 }
 
 _KERNELS: dict[str, Callable[..., object]] = {
     "build_plan": build_plan,
     "verify": verify,
-    "write_parallel": write_parallel,
+    "write": write,
 }
 
-#: compile groups of about equal cost (CPU seconds on an idle 2-core machine: write_parallel
-#: ~7.5; verify ~7 plus build_plan ~2); the first group compiles in the calling process, which
-#: has done more work already (imports, engine set-up) than a child that starts now
-GROUPS: tuple[tuple[str, ...], ...] = (("write_parallel",), ("verify", "build_plan"))
+#: compile groups of about equal cost (CPU seconds on a 2-core machine: write ~7; verify ~4
+#: plus build_plan ~1.6); the first group compiles in the calling process
+GROUPS: tuple[tuple[str, ...], ...] = (("verify", "build_plan"), ("write",))
 
 
 def signatures() -> dict[str, tuple[types.Type, ...]]:
@@ -82,17 +66,12 @@ def signatures() -> dict[str, tuple[types.Type, ...]]:
     return dict(_SIGNATURES)
 
 
-def dispatcher(name: str) -> Callable[..., object]:
-    """The numba dispatcher of the kernel `name` (its `.signatures`, `.stats`, `.overloads`)."""
-    if name not in _KERNELS:
-        raise ValueError(f"kernel must be one of {sorted(_KERNELS)}, got {name!r}")
-    return _KERNELS[name]
-
-
 def compile_group(names: Sequence[str]) -> None:
     """Compile (or load from numba's cache) each named kernel for its runtime signature."""
     for name in names:
-        dispatcher(name).compile(_SIGNATURES[name])  # type: ignore[attr-defined]
+        if name not in _KERNELS:
+            raise ValueError(f"kernel must be one of {sorted(_KERNELS)}, got {name!r}")
+        _KERNELS[name].compile(_SIGNATURES[name])  # type: ignore[attr-defined]
 
 
 def _usable_cores() -> int:
