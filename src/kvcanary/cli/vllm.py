@@ -395,9 +395,10 @@ def _recover_campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
 
     baseline, per_mode = _with_progress(run_vllm_recover_campaign, engine, spec)
     rows = recover_rows(baseline, per_mode)
+    core = engine.engine_core
     table = Table(title=f"kvcanary vllm --kv-canary recover ({spec.seeds} seeds, "
                         f"{spec.requests} requests each, against the fault-free run; {engine.dtype}, "
-                        f"engine core {engine.engine_core})")  # fmt: skip
+                        f"engine core {core})")  # fmt: skip
     columns = ("name", "seeds", "fired", "corrupted_delivered", "failed", "recovered",
                "recompute_tokens", "incidents", "violations")  # fmt: skip
     for col in columns:
@@ -406,7 +407,7 @@ def _recover_campaign(engine: Any, spec: Any, json_path: Path | None) -> None:
         table.add_row(*(str(row[c]) for c in columns))
     Console(width=max(Console().width, 132)).print(table)  # full column names
     if json_path is not None:
-        doc = recover_json(baseline, per_mode) | {"dtype": engine.dtype, "engine_core": engine.engine_core}
+        doc = recover_json(baseline, per_mode) | {"dtype": engine.dtype, "engine_core": core}
         json_path.write_text(json.dumps(doc, indent=2) + "\n")
     for o in [*baseline, *(o for outs in per_mode.values() for o in outs)]:
         if o.corrupted_delivered or (o.name == "clean" and (o.incidents or o.violations)):
