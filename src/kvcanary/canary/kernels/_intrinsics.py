@@ -1,8 +1,9 @@
 """Shared numba building blocks of the fast kernels: splitmix64 / mix3, the real-KV fold, the
 row-prefetch intrinsics and the fill-once ring append (SPEC §4, §5).
 
-Everything here is `inline="always"` (or an intrinsic), so the kernels in `fast_plan`,
-`fast_verify`, `fast_write_lanes` and `fast_write` compile it into their own loops.
+Each helper is a plain `@njit` function (or an intrinsic), compiled once; LLVM inlines it into the
+loops of `fast_plan`, `fast_verify`, `fast_write_lanes` and `fast_write` when it optimises their
+linked module. Helpers that only kernels call are `@internal`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ _C2 = uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = uint64(30), uint64(27), uint64(31)
 HEAD_HASH_U64 = uint64(0xDE7FAE23A9A1B716)
 _PREFETCH_AHEAD = 16  # entries: random rows are requested this far ahead of their use
+
+#: decorator of a kernel helper that only other kernels call: numba builds no Python- or
+#: C-callable wrapper for it (each wrapper costs a cold compile ~0.1 s; see compile_cache)
+internal = njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 
 
 def _make_prefetch(rw: int):  # type: ignore[no-untyped-def]
@@ -93,7 +98,7 @@ def mix3(a, b, c):  # type: ignore[no-untyped-def]
     return splitmix64(h ^ c)
 
 
-@njit(cache=True)
+@internal
 def _tile(page_size, per_token, slot):  # type: ignore[no-untyped-def]
     """(row, first word) of `slot`'s tile. A page of one token (the common token-major layout)
     needs no division, which would cost more than the fold itself."""
@@ -102,7 +107,7 @@ def _tile(page_size, per_token, slot):  # type: ignore[no-untyped-def]
     return slot // page_size, (slot % page_size) * per_token
 
 
-@njit(cache=True)
+@internal
 def _fold_one(words, page_size, per_token, nread, slot):  # type: ignore[no-untyped-def]
     row, col = _tile(page_size, per_token, slot)
     acc = uint64(0)
@@ -111,7 +116,7 @@ def _fold_one(words, page_size, per_token, nread, slot):  # type: ignore[no-unty
     return acc
 
 
-@njit(cache=True)
+@internal
 def _prefetch_tile(words, page_size, per_token, nread, slot):  # type: ignore[no-untyped-def]
     """Prefetch the words `_fold_one` reads for `slot` (first and last: a tile may straddle a
     cache line)."""
@@ -120,7 +125,7 @@ def _prefetch_tile(words, page_size, per_token, nread, slot):  # type: ignore[no
     _prefetch_word(words, row, col + nread - 1)
 
 
-@njit(cache=True)
+@internal
 def prefetch_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-untyped-def]
     """Prefetch every source tile `fold_sources` reads for `slot` (real-KV rows are far apart
     in memory, so a fold over many entries is otherwise one DRAM latency per entry)."""
@@ -148,7 +153,7 @@ def fold_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-untype
     return acc
 
 
-@njit(cache=True)
+@internal
 def _record(ring, state, c0, c1, c2, c3, c4, c5, c6, c7):  # type: ignore[no-untyped-def]
     """Fill-once ring append: take seq = write index, bump it, store only below capacity."""
     seq = state[0]

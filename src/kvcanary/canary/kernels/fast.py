@@ -11,7 +11,7 @@ This module is the facade; the kernels live in one module per concept:
 * `_intrinsics`: splitmix64 / mix3, the real-KV fold, row-prefetch intrinsics, the ring append;
 * `fast_plan`: `build_plan`;
 * `fast_verify`: `verify` and its chunked / vectorized violation counters;
-* `fast_write_lanes`: the per-entry steps of a write chain and four-lane lockstep;
+* `fast_write_lanes`: the per-entry steps of a write chain, four-lane lockstep, the in-order writer;
 * `fast_write`: `write`, its parallel chain tasks and the ring replay.
 
 Performance (bench/kernels.py): each module's docstring notes what its kernel does for speed.

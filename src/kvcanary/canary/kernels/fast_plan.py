@@ -10,11 +10,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from kvcanary.canary.kernels._intrinsics import internal
+
 # Error kinds of the returned `err = (kind, value)`; see `kernels.reference.build_plan`.
 _OK, _LUT_INDEX, _SLOT_RANGE, _ROW_RANGE = 0, 1, 2, 3
 
 
-@njit(cache=True)
+@internal
 def _translate(x, lut, use_lut, num_slots, allow_none):  # type: ignore[no-untyped-def]
     """(T(x), error kind): SWA translation T, then the group's range check.
 
@@ -34,7 +36,7 @@ def _translate(x, lut, use_lut, num_slots, allow_none):  # type: ignore[no-untyp
     return v, _OK
 
 
-@njit(cache=True)
+@internal
 def _rows_fit(rows, prefix_lens, req_offsets, nrows_table, ncols):  # type: ignore[no-untyped-def]
     """Index of the first active row outside `req_to_token` (row index, a negative prefix, or
     positions past its width, overflow-safe), or -1. The one check of SPEC §14.2's row rule:
@@ -49,7 +51,7 @@ def _rows_fit(rows, prefix_lens, req_offsets, nrows_table, ncols):  # type: igno
     return -1
 
 
-@njit(cache=True)
+@internal
 def _row_in_range(r2t, row, lo, hi, num_slots):  # type: ignore[no-untyped-def]
     """True when `r2t[row, lo:hi]` are all in `[0, num_slots)` and the predecessor of `lo`
     (when `lo > 0`) in `[-1, num_slots)`: one branch-free pass LLVM can vectorise."""
@@ -63,7 +65,7 @@ def _row_in_range(r2t, row, lo, hi, num_slots):  # type: ignore[no-untyped-def]
     return ok
 
 
-@njit(cache=True)
+@internal
 def _shadowed_writes(w_slots, marks):  # type: ignore[no-untyped-def]
     """True when two write entries name one slot (slot 0 included).
 

@@ -9,8 +9,7 @@ branch-free code so their mix3 chains overlap.
 
 from __future__ import annotations
 
-import warnings
-
+import numpy as np
 from numba import njit, prange, uint64
 
 from kvcanary.canary.kernels._intrinsics import (
@@ -19,22 +18,17 @@ from kvcanary.canary.kernels._intrinsics import (
     _prefetch_read,
     _record,
     fold_sources,
+    internal,
     mix3,
     prefetch_sources,
 )
 
 _FOLD_AHEAD = 32  # entries: real-KV tiles are requested this far ahead of their fold
 
-# `verify` is parallel=True only so that loading it from numba's cache starts the thread pool its
-# parallel helpers need; numba warns that it found nothing to parallelise in its own body.
-warnings.filterwarnings(
-    "ignore", message=r"(?s).*'parallel=True' was specified but no transformation", category=Warning
-)
-
 _CHUNK = 256  # verify entries per chunk (a consecutive chunk is checked vectorized)
 
 
-@njit(cache=True)
+@internal
 def _verify_one(buf, slot, prev, exp_pos, exp_tok, s0, s1, s2, s3, params, count):  # type: ignore[no-untyped-def]
     """Returns (bits, expected_chain) for one verify entry (slot != 0)."""
     reachable = prev != 0
@@ -56,7 +50,7 @@ def _verify_one(buf, slot, prev, exp_pos, exp_tok, s0, s1, s2, s3, params, count
     return bits, exp_chain
 
 
-@njit(cache=True)
+@internal
 def _prefetch_entry(buf, slots, j, n):  # type: ignore[no-untyped-def]
     """Prefetch row `slots[j]` unless it follows `slots[j - 1]` (the hardware streams those).
 
@@ -68,7 +62,7 @@ def _prefetch_entry(buf, slots, j, n):  # type: ignore[no-untyped-def]
             _prefetch_read(buf, s)
 
 
-@njit(cache=True)
+@internal
 def _entry_ok(buf, slot, prev, exp_pos, exp_tok, fold):  # type: ignore[no-untyped-def]
     """True when verify entry (slot != 0) has no violation bit; see `_verify_one`."""
     chain = buf[slot, 2]
@@ -86,14 +80,14 @@ def _entry_ok(buf, slot, prev, exp_pos, exp_tok, fold):  # type: ignore[no-untyp
     )
 
 
-@njit(cache=True)
+@internal
 def _chain_input(buf, slot, prev):  # type: ignore[no-untyped-def]
     """The row whose hash an entry's chain is checked against: `prev`, or (when prev is 0 or -1
     and the hash is unused) the entry's own row, so that loads and mix3 need no branch."""
     return slot if (prev == 0) | (prev == -1) else prev
 
 
-@njit(cache=True)
+@internal
 def _plain_bad(buf, slot, prev, exp_pos, exp_tok, hashed):  # type: ignore[no-untyped-def]
     """1 when entry (fold 0) has a violation bit, else 0; slot 0 is never bad. `hashed` is
     mix3 of row `_chain_input(buf, slot, prev)`. Same bits as `_verify_one`, without branches."""
@@ -107,7 +101,7 @@ def _plain_bad(buf, slot, prev, exp_pos, exp_tok, hashed):  # type: ignore[no-un
     return 0 if ok | (slot == 0) else 1
 
 
-@njit(cache=True)
+@internal
 def _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi):  # type: ignore[no-untyped-def]
     """(bad entries, 0) of entries `lo:hi` when their slots run consecutively from `v_slot[lo]`
     and each prev is 0, -1 or the slot before; (-, > 0) when that assumption fails somewhere.
@@ -145,63 +139,59 @@ def _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi):  # type: ignore[no-un
     return nb, nmis
 
 
-@njit(cache=True, parallel=True)
-def _count_bad_plain(buf, v_slot, v_prev, v_pos, v_tok):  # type: ignore[no-untyped-def]
-    """Entries with a violation, no real-KV sources (fold 0).
+@internal
+def _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c):  # type: ignore[no-untyped-def]
+    """Entries with a violation in chunk `c` (`_CHUNK` entries), no real-KV sources (fold 0).
 
-    Chunks of `_CHUNK` entries. A chunk whose slots run consecutively (chains over contiguous
-    rows) goes through `_plain_run`, vectorized. Any other chunk is checked four entries at a
-    time, prefetching rows ahead: their four mix3 chains are independent straight-line code, so
-    the CPU overlaps them (one mix3 alone is a ~40-cycle dependency chain).
+    A chunk whose slots run consecutively (chains over contiguous rows) goes through
+    `_plain_run`, vectorized. Any other chunk is checked four entries at a time, prefetching rows
+    ahead: their four mix3 chains are independent straight-line code, so the CPU overlaps them
+    (one mix3 alone is a ~40-cycle dependency chain).
     """
     n = v_slot.shape[0]
-    nchunks = (n + _CHUNK - 1) // _CHUNK
-    bad = 0
-    for c in prange(nchunks):
-        lo = c * _CHUNK
-        hi = min(lo + _CHUNK, n)
-        first = v_slot[lo]
-        last = v_slot[hi - 1]
+    lo = c * _CHUNK
+    hi = min(lo + _CHUNK, n)
+    first = v_slot[lo]
+    last = v_slot[hi - 1]
+    nb = 0
+    nmis = 1
+    if (first >= 1) & (last - first == hi - 1 - lo) & (last < buf.shape[0]):
+        nb, nmis = _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi)
+    if nmis != 0:
         nb = 0
-        nmis = 1
-        if (first >= 1) & (last - first == hi - 1 - lo) & (last < buf.shape[0]):
-            nb, nmis = _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi)
-        if nmis != 0:
-            nb = 0
-            i = lo
-            while i + 4 <= hi:
-                for k in range(4):
-                    _prefetch_entry(buf, v_slot, i + k + _PREFETCH_AHEAD, n)
-                a0, a1, a2, a3 = v_slot[i], v_slot[i + 1], v_slot[i + 2], v_slot[i + 3]
-                p0, p1, p2, p3 = v_prev[i], v_prev[i + 1], v_prev[i + 2], v_prev[i + 3]
-                q0, q1 = _chain_input(buf, a0, p0), _chain_input(buf, a1, p1)
-                q2, q3 = _chain_input(buf, a2, p2), _chain_input(buf, a3, p3)
-                h0 = mix3(buf[q0, 2], buf[q0, 0], buf[q0, 1])
-                h1 = mix3(buf[q1, 2], buf[q1, 0], buf[q1, 1])
-                h2 = mix3(buf[q2, 2], buf[q2, 0], buf[q2, 1])
-                h3 = mix3(buf[q3, 2], buf[q3, 0], buf[q3, 1])
-                nb += (
-                    _plain_bad(buf, a0, p0, v_pos[i], v_tok[i], h0)
-                    + _plain_bad(buf, a1, p1, v_pos[i + 1], v_tok[i + 1], h1)
-                    + _plain_bad(buf, a2, p2, v_pos[i + 2], v_tok[i + 2], h2)
-                    + _plain_bad(buf, a3, p3, v_pos[i + 3], v_tok[i + 3], h3)
-                )
-                i += 4
-            while i < hi:
-                slot = v_slot[i]
-                if slot != 0 and not _entry_ok(buf, slot, v_prev[i], v_pos[i], v_tok[i], uint64(0)):
-                    nb += 1
-                i += 1
-        bad += nb
-    return bad
+        i = lo
+        while i + 4 <= hi:
+            for k in range(4):
+                _prefetch_entry(buf, v_slot, i + k + _PREFETCH_AHEAD, n)
+            a0, a1, a2, a3 = v_slot[i], v_slot[i + 1], v_slot[i + 2], v_slot[i + 3]
+            p0, p1, p2, p3 = v_prev[i], v_prev[i + 1], v_prev[i + 2], v_prev[i + 3]
+            q0, q1 = _chain_input(buf, a0, p0), _chain_input(buf, a1, p1)
+            q2, q3 = _chain_input(buf, a2, p2), _chain_input(buf, a3, p3)
+            h0 = mix3(buf[q0, 2], buf[q0, 0], buf[q0, 1])
+            h1 = mix3(buf[q1, 2], buf[q1, 0], buf[q1, 1])
+            h2 = mix3(buf[q2, 2], buf[q2, 0], buf[q2, 1])
+            h3 = mix3(buf[q3, 2], buf[q3, 0], buf[q3, 1])
+            nb += (
+                _plain_bad(buf, a0, p0, v_pos[i], v_tok[i], h0)
+                + _plain_bad(buf, a1, p1, v_pos[i + 1], v_tok[i + 1], h1)
+                + _plain_bad(buf, a2, p2, v_pos[i + 2], v_tok[i + 2], h2)
+                + _plain_bad(buf, a3, p3, v_pos[i + 3], v_tok[i + 3], h3)
+            )
+            i += 4
+        while i < hi:
+            slot = v_slot[i]
+            if slot != 0 and not _entry_ok(buf, slot, v_prev[i], v_pos[i], v_tok[i], uint64(0)):
+                nb += 1
+            i += 1
+    return nb
 
 
-@njit(cache=True, parallel=True)
-def _count_bad_folded(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count):  # type: ignore[no-untyped-def]
-    """Entries with a violation, folding `count` real-KV sources."""
+@internal
+def _folded_chunk(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, c):  # type: ignore[no-untyped-def]
+    """Entries with a violation in chunk `c`, folding `count` real-KV sources."""
     n = v_slot.shape[0]
     bad = 0
-    for i in prange(n):
+    for i in range(c * _CHUNK, min(c * _CHUNK + _CHUNK, n)):
         _prefetch_entry(buf, v_slot, i + _PREFETCH_AHEAD, n)
         if i + _FOLD_AHEAD < n:
             ahead = v_slot[i + _FOLD_AHEAD]
@@ -215,16 +205,27 @@ def _count_bad_folded(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params,
     return bad
 
 
-@njit(cache=True, parallel=True)  # parallel: loading it from the cache starts numba's threads
+@njit(cache=True, parallel=True)
 def verify(  # type: ignore[no-untyped-def]
     buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, tag, ring, state,
 ):  # fmt: skip
     """Verify every entry against `buf` (read-only); record violations in plan order."""
     n = v_slot.shape[0]
-    if count == 0:
-        bad = _count_bad_plain(buf, v_slot, v_prev, v_pos, v_tok)
-    else:
-        bad = _count_bad_folded(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count)
+    # Count violating entries over chunks of `_CHUNK` entries in parallel: `_plain_chunk` (no
+    # real-KV sources) or `_folded_chunk`. One parallel loop for both chunk kinds: each costs
+    # numba ~2 s to compile, whatever its body.
+    nchunks = (n + _CHUNK - 1) // _CHUNK
+    bad = 0
+    for chunk in prange(nchunks):
+        # numba types the loop index int64, then uint64 in the parallel body it compiles: one
+        # type here, or each chunk helper is compiled twice
+        c = np.int64(chunk)
+        if count == 0:
+            bad += _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c)
+        else:
+            bad += _folded_chunk(
+                buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, c
+            )
     if bad == 0:
         return
     for i in range(n):

@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange, uint64
 
-from kvcanary.canary.kernels._intrinsics import HEAD_HASH_U64, _record, mix3
+from kvcanary.canary.kernels._intrinsics import HEAD_HASH_U64, _record, internal, mix3
 from kvcanary.canary.kernels.fast_write_lanes import (
     _CHAIN_POSITION_FLAG,
+    _chains_in_order,
     _consecutive,
     _lane,
     _lockstep,
@@ -33,7 +34,7 @@ except ImportError:  # pragma: no cover - other numba versions
         return 8
 
 
-@njit(cache=True)
+@internal
 def _write_tasks(nreq):  # type: ignore[no-untyped-def]
     """Tasks for `nreq` requests: four requests' chains per task (task g owns g, g + ntasks, ...),
     but at least one per thread while there are requests to spread."""
@@ -44,209 +45,169 @@ def _write_tasks(nreq):  # type: ignore[no-untyped-def]
     return ntasks
 
 
-@njit(cache=True, parallel=True)
-def _chains_plain(  # type: ignore[no-untyped-def]
+@internal
+def _plain_task(  # type: ignore[no-untyped-def]
     buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash, start_pos,
+    g, ntasks, bad,
 ):  # fmt: skip
-    """Write every request's chain without real-KV sources or write assert; returns per request
-    whether it needs ring rows (a chain-position violation).
+    """Task `g` of `write`'s parallel loop without real-KV sources or write assert: sets `bad[r]` for its
+    requests (a chain-position violation needs ring rows).
 
-    Like `_chains_folded`, but while all four lanes of a task have entries left they advance in
-    lockstep with no end-of-lane tests (`_lockstep`), prefetching rows only when some lane's slots
-    are not consecutive and tracking positions only when some lane checks them.
+    Like `_folded_task`, but while all four lanes have entries left they advance in lockstep with
+    no end-of-lane tests (`_lockstep`), prefetching rows only when some lane's slots are not
+    consecutive and tracking positions only when some lane checks them.
     """
     nreq = seeds.shape[0]
-    bad = np.empty(nreq, dtype=np.bool_)  # every request's entry is set by its task
-    ntasks = _write_tasks(nreq)
-    nw = w_slots.shape[0]
-    last = uint64(max(nw - 1, 0))
-    for g in prange(ntasks):
-        r0, r1, r2, r3 = g, g + ntasks, g + 2 * ntasks, g + 3 * ntasks
-        i0, e0, run0, pp0, dp0 = _lane(
-            r0, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+    last = uint64(max(w_slots.shape[0] - 1, 0))
+    r0, r1, r2, r3 = g, g + ntasks, g + 2 * ntasks, g + 3 * ntasks
+    i0, e0, run0, pp0, dp0 = _lane(
+        r0, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+    )
+    i1, e1, run1, pp1, dp1 = _lane(
+        r1, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+    )
+    i2, e2, run2, pp2, dp2 = _lane(
+        r2, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+    )
+    i3, e3, run3, pp3, dp3 = _lane(
+        r3, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+    )
+    steps = min(min(e0 - i0, e1 - i1), min(e2 - i2, e3 - i3))
+    b = False
+    # The shape test tells LLVM the row stride (4 words), so row stores need no multiply.
+    if steps > 0 and buf.shape[1] == 4:
+        idx = (uint64(i0), uint64(i1), uint64(i2), uint64(i3))
+        run = (run0, run1, run2, run3)
+        pp = (pp0, pp1, pp2, pp3)
+        dp = (dp0, dp1, dp2, dp3)
+        track = dp0 | dp1 | dp2 | dp3
+        streamed = (
+            _consecutive(w_slots, i0, e0)
+            & _consecutive(w_slots, i1, e1)
+            & _consecutive(w_slots, i2, e2)
+            & _consecutive(w_slots, i3, e3)
         )
-        i1, e1, run1, pp1, dp1 = _lane(
-            r1, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
-        )
-        i2, e2, run2, pp2, dp2 = _lane(
-            r2, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
-        )
-        i3, e3, run3, pp3, dp3 = _lane(
-            r3, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
-        )
-        steps = min(min(e0 - i0, e1 - i1), min(e2 - i2, e3 - i3))
-        b = False
-        # The shape test tells LLVM the row stride (4 words), so row stores need no multiply.
-        if steps > 0 and buf.shape[1] == 4:
-            idx = (uint64(i0), uint64(i1), uint64(i2), uint64(i3))
-            run = (run0, run1, run2, run3)
-            pp = (pp0, pp1, pp2, pp3)
-            dp = (dp0, dp1, dp2, dp3)
-            track = dp0 | dp1 | dp2 | dp3
-            streamed = (
-                _consecutive(w_slots, i0, e0)
-                & _consecutive(w_slots, i1, e1)
-                & _consecutive(w_slots, i2, e2)
-                & _consecutive(w_slots, i3, e3)
+        n = uint64(steps)
+        # One loop per (prefetch, track) pair: the flags are constants in each.
+        if streamed and not track:
+            run, pp, b = _lockstep(
+                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, False
             )
-            n = uint64(steps)
-            # One loop per (prefetch, track) pair: the flags are constants in each.
-            if streamed and not track:
-                run, pp, b = _lockstep(
-                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, False
-                )
-            elif streamed:
-                run, pp, b = _lockstep(
-                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, True
-                )
-            elif not track:
-                run, pp, b = _lockstep(
-                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, False
-                )
-            else:
-                run, pp, b = _lockstep(
-                    buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, True
-                )
-            run0, run1, run2, run3 = run
-            pp0, pp1, pp2, pp3 = pp
-            i0, i1, i2, i3 = i0 + steps, i1 + steps, i2 + steps, i3 + steps
-        b0 = b1 = b2 = b3 = b
-        # The lanes' remaining entries, interleaved while several lanes have some.
-        while i0 < e0 or i1 < e1 or i2 < e2 or i3 < e3:
-            if i0 < e0:
-                run0, pp0, x = _plain_step(
-                    buf, uint64(i0), run0, pp0, dp0, w_slots, input_ids, positions, True,
-                    last,
-                )  # fmt: skip
-                b0 |= x
-                i0 += 1
-            if i1 < e1:
-                run1, pp1, x = _plain_step(
-                    buf, uint64(i1), run1, pp1, dp1, w_slots, input_ids, positions, True,
-                    last,
-                )  # fmt: skip
-                b1 |= x
-                i1 += 1
-            if i2 < e2:
-                run2, pp2, x = _plain_step(
-                    buf, uint64(i2), run2, pp2, dp2, w_slots, input_ids, positions, True,
-                    last,
-                )  # fmt: skip
-                b2 |= x
-                i2 += 1
-            if i3 < e3:
-                run3, pp3, x = _plain_step(
-                    buf, uint64(i3), run3, pp3, dp3, w_slots, input_ids, positions, True,
-                    last,
-                )  # fmt: skip
-                b3 |= x
-                i3 += 1
-        # A lockstep violation is not attributed to its lane: all four replay (rows are the same).
-        bad[r0] = b0
-        if r1 < nreq:
-            bad[r1] = b1
-        if r2 < nreq:
-            bad[r2] = b2
-        if r3 < nreq:
-            bad[r3] = b3
-    return bad
+        elif streamed:
+            run, pp, b = _lockstep(
+                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, True
+            )
+        elif not track:
+            run, pp, b = _lockstep(
+                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, False
+            )
+        else:
+            run, pp, b = _lockstep(
+                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, True
+            )
+        run0, run1, run2, run3 = run
+        pp0, pp1, pp2, pp3 = pp
+        i0, i1, i2, i3 = i0 + steps, i1 + steps, i2 + steps, i3 + steps
+    b0 = b1 = b2 = b3 = b
+    # The lanes' remaining entries, interleaved while several lanes have some.
+    while i0 < e0 or i1 < e1 or i2 < e2 or i3 < e3:
+        if i0 < e0:
+            run0, pp0, x = _plain_step(
+                buf, uint64(i0), run0, pp0, dp0, w_slots, input_ids, positions, True,
+                last,
+            )  # fmt: skip
+            b0 |= x
+            i0 += 1
+        if i1 < e1:
+            run1, pp1, x = _plain_step(
+                buf, uint64(i1), run1, pp1, dp1, w_slots, input_ids, positions, True,
+                last,
+            )  # fmt: skip
+            b1 |= x
+            i1 += 1
+        if i2 < e2:
+            run2, pp2, x = _plain_step(
+                buf, uint64(i2), run2, pp2, dp2, w_slots, input_ids, positions, True,
+                last,
+            )  # fmt: skip
+            b2 |= x
+            i2 += 1
+        if i3 < e3:
+            run3, pp3, x = _plain_step(
+                buf, uint64(i3), run3, pp3, dp3, w_slots, input_ids, positions, True,
+                last,
+            )  # fmt: skip
+            b3 |= x
+            i3 += 1
+    # A lockstep violation is not attributed to its lane: all four replay (rows are the same).
+    bad[r0] = b0
+    if r1 < nreq:
+        bad[r1] = b1
+    if r2 < nreq:
+        bad[r2] = b2
+    if r3 < nreq:
+        bad[r3] = b3
 
 
-@njit(cache=True, parallel=True)
-def _chains_folded(  # type: ignore[no-untyped-def]
+@internal
+def _folded_task(  # type: ignore[no-untyped-def]
     buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-    chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+    chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos, g, ntasks, bad,
 ):  # fmt: skip
-    """Write every request's chain (any sources, write assert or not); returns per request
-    whether it needs ring rows."""
-    nreq = seeds.shape[0]
-    bad = np.empty(nreq, dtype=np.bool_)  # every request's entry is set by its task
-    # Each task runs up to _LANES requests' chains interleaved, one entry of each in turn: the
-    # chains are independent, so the CPU overlaps their mix3 latencies. Task g owns requests
-    # g, g + ntasks, ... (no two tasks write one request's rows, nor one slot: a plan that writes
-    # a slot twice runs `_chains_in_order` instead).
-    ntasks = _write_tasks(nreq)
-    nw = w_slots.shape[0]
-    for g in prange(ntasks):
-        r0, r1, r2, r3 = g, g + ntasks, g + 2 * ntasks, g + 3 * ntasks
-        i0, e0, run0, pp0, dp0 = _lane(
-            r0, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
-        )
-        i1, e1, run1, pp1, dp1 = _lane(
-            r1, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
-        )
-        i2, e2, run2, pp2, dp2 = _lane(
-            r2, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
-        )
-        i3, e3, run3, pp3, dp3 = _lane(
-            r3, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
-        )
-        nb0 = nb1 = nb2 = nb3 = 0
-        while i0 < e0 or i1 < e1 or i2 < e2 or i3 < e3:
-            if i0 < e0:
-                run0, pp0, b0 = _write_step(
-                    buf, i0, nw, run0, pp0, dp0, w_slots, input_ids, positions, do_assert,
-                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
-                )  # fmt: skip
-                nb0 += b0
-                i0 += 1
-            if i1 < e1:
-                run1, pp1, b1 = _write_step(
-                    buf, i1, nw, run1, pp1, dp1, w_slots, input_ids, positions, do_assert,
-                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
-                )  # fmt: skip
-                nb1 += b1
-                i1 += 1
-            if i2 < e2:
-                run2, pp2, b2 = _write_step(
-                    buf, i2, nw, run2, pp2, dp2, w_slots, input_ids, positions, do_assert,
-                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
-                )  # fmt: skip
-                nb2 += b2
-                i2 += 1
-            if i3 < e3:
-                run3, pp3, b3 = _write_step(
-                    buf, i3, nw, run3, pp3, dp3, w_slots, input_ids, positions, do_assert,
-                    exp_tok, exp_pos, s0, s1, s2, s3, params, count,
-                )  # fmt: skip
-                nb3 += b3
-                i3 += 1
-        bad[r0] = nb0 != 0
-        if r1 < nreq:
-            bad[r1] = nb1 != 0
-        if r2 < nreq:
-            bad[r2] = nb2 != 0
-        if r3 < nreq:
-            bad[r3] = nb3 != 0
-    return bad
-
-
-@njit(cache=True)
-def _chains_in_order(  # type: ignore[no-untyped-def]
-    buf, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos, seeds,
-    chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
-):  # fmt: skip
-    """Every request's chain on this thread, in flat order (SPEC §14.1): when two entries name
-    one slot the later entry's record remains, as in `kernels.reference`. Used when the plan says
-    some slot is written twice (the double-allocation bug class), where the parallel chains
-    would race; returns per request whether it needs ring rows."""
+    """Task `g` of `write`'s parallel loop (any sources, write assert or not): sets `bad[r]` for its requests
+    (whether each needs ring rows)."""
     nreq = seeds.shape[0]
     nw = w_slots.shape[0]
-    bad = np.empty(nreq, dtype=np.bool_)
-    for r in range(nreq):
-        i, e, running, prev_pos, do_pos = _lane(
-            r, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
-        )
-        nb = 0
-        while i < e:
-            running, prev_pos, b = _write_step(
-                buf, i, nw, running, prev_pos, do_pos, w_slots, input_ids, positions, do_assert,
+    r0, r1, r2, r3 = g, g + ntasks, g + 2 * ntasks, g + 3 * ntasks
+    i0, e0, run0, pp0, dp0 = _lane(
+        r0, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+    )
+    i1, e1, run1, pp1, dp1 = _lane(
+        r1, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+    )
+    i2, e2, run2, pp2, dp2 = _lane(
+        r2, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+    )
+    i3, e3, run3, pp3, dp3 = _lane(
+        r3, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+    )
+    nb0 = nb1 = nb2 = nb3 = 0
+    while i0 < e0 or i1 < e1 or i2 < e2 or i3 < e3:
+        if i0 < e0:
+            run0, pp0, b0 = _write_step(
+                buf, i0, nw, run0, pp0, dp0, w_slots, input_ids, positions, do_assert,
                 exp_tok, exp_pos, s0, s1, s2, s3, params, count,
             )  # fmt: skip
-            nb += b
-            i += 1
-        bad[r] = nb != 0
-    return bad
+            nb0 += b0
+            i0 += 1
+        if i1 < e1:
+            run1, pp1, b1 = _write_step(
+                buf, i1, nw, run1, pp1, dp1, w_slots, input_ids, positions, do_assert,
+                exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+            )  # fmt: skip
+            nb1 += b1
+            i1 += 1
+        if i2 < e2:
+            run2, pp2, b2 = _write_step(
+                buf, i2, nw, run2, pp2, dp2, w_slots, input_ids, positions, do_assert,
+                exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+            )  # fmt: skip
+            nb2 += b2
+            i2 += 1
+        if i3 < e3:
+            run3, pp3, b3 = _write_step(
+                buf, i3, nw, run3, pp3, dp3, w_slots, input_ids, positions, do_assert,
+                exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+            )  # fmt: skip
+            nb3 += b3
+            i3 += 1
+    bad[r0] = nb0 != 0
+    if r1 < nreq:
+        bad[r1] = nb1 != 0
+    if r2 < nreq:
+        bad[r2] = nb2 != 0
+    if r3 < nreq:
+        bad[r3] = nb3 != 0
 
 
 @njit(cache=True, parallel=True)
@@ -275,16 +236,30 @@ def write(  # type: ignore[no-untyped-def]
             buf, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos, seeds,
             chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
         )  # fmt: skip
-    elif count == 0 and not do_assert:
-        bad = _chains_plain(
-            buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash,
-            start_pos,
-        )  # fmt: skip
     else:
-        bad = _chains_folded(
-            buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-            chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
-        )  # fmt: skip
+        # Each task runs up to _LANES requests' chains interleaved, one entry of each in turn:
+        # the chains are independent, so the CPU overlaps their mix3 latencies. Task g owns
+        # requests g, g + ntasks, ... (no two tasks write one request's rows, nor one slot: a
+        # plan that writes a slot twice runs `_chains_in_order` instead). One parallel loop for
+        # both task kinds: each costs numba ~2 s to compile, whatever its body.
+        bad = np.empty(nreq, dtype=np.bool_)  # every request's entry is set by its task
+        ntasks = _write_tasks(nreq)
+        plain = count == 0 and not do_assert
+        for task in prange(ntasks):
+            # numba types the loop index int64, then uint64 in the parallel body it compiles:
+            # one type here, or every task helper is compiled twice
+            g = np.int64(task)
+            if plain:
+                _plain_task(
+                    buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position,
+                    start_hash, start_pos, g, ntasks, bad,
+                )  # fmt: skip
+            else:
+                _folded_task(
+                    buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok,
+                    exp_pos, chain_position, s0, s1, s2, s3, params, count, start_hash,
+                    start_pos, g, ntasks, bad,
+                )  # fmt: skip
     for r in range(nreq):
         if not bad[r]:
             continue

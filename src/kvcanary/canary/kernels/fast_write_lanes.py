@@ -1,6 +1,7 @@
 """Per-entry steps of `fast_write`'s request chains: one entry's row write (`_write_step`,
-`_plain_step`), a lane's start (`_lane`), its violation bits (`_write_bits`) and four lanes
-advanced in lockstep (`_lockstep`).
+`_plain_step`), a lane's start (`_lane`), its violation bits (`_write_bits`), four lanes
+advanced in lockstep (`_lockstep`) and every chain in flat order on one thread
+(`_chains_in_order`, for a plan that writes some slot twice).
 
 Each chain is a serial mix3 dependency, so `fast_write` interleaves four lanes per task and the
 CPU overlaps their mix3 latencies; rows are prefetched `_PREFETCH_AHEAD` entries ahead only when
@@ -9,19 +10,21 @@ the slots are scattered (the hardware streams consecutive rows).
 
 from __future__ import annotations
 
-from numba import njit, uint64
+import numpy as np
+from numba import uint64
 
 from kvcanary.canary.kernels._intrinsics import (
     _PREFETCH_AHEAD,
     _prefetch_write,
     fold_sources,
+    internal,
     mix3,
 )
 
 _CHAIN_POSITION_FLAG = 64  # internal: the chain-position row of SPEC §5.2 (reported as bit 16)
 
 
-@njit(cache=True)
+@internal
 def _write_bits(tok, pos, i, do_assert, exp_tok, exp_pos, do_pos, prev_pos):  # type: ignore[no-untyped-def]
     bits = 0
     if do_assert:
@@ -34,7 +37,7 @@ def _write_bits(tok, pos, i, do_assert, exp_tok, exp_pos, do_pos, prev_pos):  # 
     return bits
 
 
-@njit(cache=True)
+@internal
 def _lane(r, nreq, req_offsets, start_hash, start_pos, seeds, chain_position):  # type: ignore[no-untyped-def]
     """(first entry, end entry, running hash, previous position, do_pos) of request `r`'s lane."""
     if r >= nreq:
@@ -43,7 +46,7 @@ def _lane(r, nreq, req_offsets, start_hash, start_pos, seeds, chain_position):  
     return req_offsets[r], req_offsets[r + 1], start_hash[r], start_pos[r], do_pos
 
 
-@njit(cache=True)  # a call, not IR-inlined: see compile_cache
+@internal  # a call, not IR-inlined: see compile_cache
 def _write_step(  # type: ignore[no-untyped-def]
     buf, i, nw, running, prev_pos, do_pos, w_slots, input_ids, positions, do_assert, exp_tok,
     exp_pos, s0, s1, s2, s3, params, count,
@@ -66,7 +69,7 @@ def _write_step(  # type: ignore[no-untyped-def]
     return mix3(running, uint64(tok), uint64(pos)), pos, bad
 
 
-@njit(cache=True)  # a call, not IR-inlined: see compile_cache
+@internal  # a call, not IR-inlined: see compile_cache
 def _plain_step(  # type: ignore[no-untyped-def]
     buf, i, running, prev_pos, do_pos, w_slots, input_ids, positions, prefetch, last,
 ):  # fmt: skip
@@ -87,7 +90,7 @@ def _plain_step(  # type: ignore[no-untyped-def]
     return mix3(running, uint64(tok), uint64(pos)), pos, do_pos & (pos != prev_pos + 1)
 
 
-@njit(cache=True)
+@internal
 def _consecutive(w_slots, lo, hi):  # type: ignore[no-untyped-def]
     """True when `w_slots[lo:hi]` are consecutive slots (the hardware streams such rows)."""
     seg = w_slots[lo:hi]
@@ -97,7 +100,7 @@ def _consecutive(w_slots, lo, hi):  # type: ignore[no-untyped-def]
     return ok
 
 
-@njit(cache=True)
+@internal
 def _lockstep(buf, w_slots, input_ids, positions, idx, steps, run, pp, dp, last, prefetch, track):  # type: ignore[no-untyped-def]
     """`steps` entries of each of four lanes, one of each in turn, with no end-of-lane tests.
 
@@ -124,3 +127,31 @@ def _lockstep(buf, w_slots, input_ids, positions, idx, steps, run, pp, dp, last,
             p0, p1, p2, p3 = q0, q1, q2, q3
             bad |= b0 | b1 | b2 | b3
     return (r0, r1, r2, r3), (p0, p1, p2, p3), bad
+
+
+@internal
+def _chains_in_order(  # type: ignore[no-untyped-def]
+    buf, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos, seeds,
+    chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+):  # fmt: skip
+    """Every request's chain on this thread, in flat order (SPEC §14.1): when two entries name
+    one slot the later entry's record remains, as in `kernels.reference`. Used when the plan says
+    some slot is written twice (the double-allocation bug class), where the parallel chains
+    would race; returns per request whether it needs ring rows."""
+    nreq = seeds.shape[0]
+    nw = w_slots.shape[0]
+    bad = np.empty(nreq, dtype=np.bool_)
+    for r in range(nreq):
+        i, e, running, prev_pos, do_pos = _lane(
+            r, nreq, req_offsets, start_hash, start_pos, seeds, chain_position
+        )
+        nb = 0
+        while i < e:
+            running, prev_pos, b = _write_step(
+                buf, i, nw, running, prev_pos, do_pos, w_slots, input_ids, positions, do_assert,
+                exp_tok, exp_pos, s0, s1, s2, s3, params, count,
+            )  # fmt: skip
+            nb += b
+            i += 1
+        bad[r] = nb != 0
+    return bad

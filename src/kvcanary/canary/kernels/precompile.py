@@ -56,9 +56,10 @@ _KERNELS: dict[str, Callable[..., object]] = {
     "write": write,
 }
 
-#: compile groups of about equal cost (CPU seconds on a 2-core machine: write ~7; verify ~4
-#: plus build_plan ~1.6); the first group compiles in the calling process
-GROUPS: tuple[tuple[str, ...], ...] = (("verify", "build_plan"), ("write",))
+#: compile groups of about equal cost (CPU seconds on a 2-core machine, each in a fresh process:
+#: write ~8; verify ~5 plus build_plan ~2.5). The first group compiles in the calling process,
+#: which has its imports done; a child first spends ~2 s importing numba and the package.
+GROUPS: tuple[tuple[str, ...], ...] = (("write",), ("verify", "build_plan"))
 
 
 def signatures() -> dict[str, tuple[types.Type, ...]]:
