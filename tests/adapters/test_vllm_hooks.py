@@ -23,7 +23,11 @@ def test_wrapped_functions_keep_their_signatures() -> None:
     assert params(EngineArgs.create_engine_config)[:3] == ["self", "usage_context", "headless"]
     assert callable(dispatcher._rebind_kernels)
     assert params(BlockPool.cache_full_blocks)[:5] == [
-        "self", "request", "blocks", "num_cached_blocks", "num_full_blocks"
+        "self",
+        "request",
+        "blocks",
+        "num_cached_blocks",
+        "num_full_blocks",
     ]
     assert params(GPUModelRunner._prepare_inputs)[0] == "self"  # driver-only fault hook
     for name in ("_maybe_evict_cached_block", "get_cached_block"):  # the stale_prefix_hit plant
@@ -47,8 +51,10 @@ def test_engine_dead_error_still_carries_its_message_in_args() -> None:
     try:
         write_stop_note("kv_canary violation: launch_tag=TAIL_V_FULL slot_idx=7\nmore")
         text = str(EngineDeadError())
-        assert text.startswith("kv-canary: raise mode stopped vLLM: kv_canary violation: "
-                               "launch_tag=TAIL_V_FULL slot_idx=7 (EngineCore encountered")
+        assert text.startswith(
+            "kv-canary: raise mode stopped vLLM: kv_canary violation: "
+            "launch_tag=TAIL_V_FULL slot_idx=7 (EngineCore encountered"
+        )
     finally:
         os.unlink(path)
 

@@ -36,7 +36,9 @@ def _worker() -> CanaryWorker:
     canary.mark_init_finished()
     table = types.SimpleNamespace(block_size=B, block_table=types.SimpleNamespace(
         np=np.array([TABLE], dtype=np.int32)))  # fmt: skip
-    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(num_reqs=1, block_table=[table]))
+    runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(num_reqs=1, block_table=[table])
+    )
     worker = CanaryWorker(runner, config)
     worker.canary = canary
     worker.last_request_ids = ["cmpl-7-0"]

@@ -213,7 +213,9 @@ def run_double_writes(kernels: str) -> tuple[Canary, list[bytes], list[list[int]
     for view in double_write_views(pool)[0]:
         forward(pool, canary, view)
         snapshots.append(
-            b"".join(canary.group("full").buffer(stage, "k").tobytes() for stage in ("head", "tail"))
+            b"".join(
+                canary.group("full").buffer(stage, "k").tobytes() for stage in ("head", "tail")
+            )
         )
         rings.append(canary.ring.rows[: canary.ring.write_index].ravel().tolist())
     return canary, snapshots, rings

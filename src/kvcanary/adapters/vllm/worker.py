@@ -240,7 +240,9 @@ class CanaryWorker:
                 canary.end_step()
             finally:
                 self.walker.snapshot = None
-                self.figures.sweeps += int(self.walker.walks > walks and canary.sweep_passes > sweeps)
+                self.figures.sweeps += int(
+                    self.walker.walks > walks and canary.sweep_passes > sweeps
+                )
         finally:
             self.figures.forwards += 1
             self._collect()

@@ -222,10 +222,12 @@ class VllmEngine:
             figures["requests_failed"] = sum(o.outputs[0].finish_reason == "error" for o in outs)
             figures["requests_finished"] -= figures["requests_failed"]
         if self.canary_on:
-            figures["chunked_prefill_rows"] = int(counters["chunked_prefill_rows"]
-                                                  - counters0["chunked_prefill_rows"])
-            figures["split_forwards"] = int(counters["split_forwards"]
-                                            - counters0["split_forwards"])
+            figures["chunked_prefill_rows"] = int(
+                counters["chunked_prefill_rows"] - counters0["chunked_prefill_rows"]
+            )
+            figures["split_forwards"] = int(
+                counters["split_forwards"] - counters0["split_forwards"]
+            )
             figures["canary_seconds"] = round(counters["canary_seconds"]
                                               - counters0["canary_seconds"], 3)  # fmt: skip
             # each tensor-parallel rank checks its own KV shard; "violations" is their union

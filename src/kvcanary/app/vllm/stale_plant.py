@@ -63,7 +63,9 @@ class StalePlant:
             for i in range(num_cached_blocks, num_full_blocks):
                 if not blocks[i].is_null:
                     content[blocks[i].block_id] = (
-                        i, tuple(tokens[i * block_size : (i + 1) * block_size]))
+                        i,
+                        tuple(tokens[i * block_size : (i + 1) * block_size]),
+                    )
             return out
 
         def _maybe_evict_cached_block(self: Any, block: Any) -> bool:
