@@ -166,3 +166,20 @@ def test_recover_mode_builds_the_recompute_policy() -> None:
     assert recover_policy({"KVCANARY_MODE": " Recover "}) == {"kv_load_failure_policy": "recompute"}
     assert recover_policy({"KVCANARY_MODE": "log"}) == {}
     assert canary_transfer_config(None).kv_load_failure_policy in ("fail", "recompute")
+
+
+def test_a_multiconnector_rebuilds_the_canarys_stats_by_name() -> None:
+    # What vLLM's stats logger does in the API-server process with the engine core's dict.
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from kvcanary.adapters.vllm.connector import KVCanaryConnector, KVCanaryStats
+    from kvcanary.adapters.vllm.plugin import register_connector_name
+
+    register_connector_name()
+    register_connector_name()  # idempotent: vLLM raises on a second registration
+    stats = KVCanaryStats()
+    stats.data.update({"forwards": 3, "checks": 40})
+    rebuilt = MultiConnector.build_kv_connector_stats(data={"KVCanaryConnector": stats.data})
+    assert isinstance(rebuilt.data["KVCanaryConnector"], KVCanaryStats)
+    assert rebuilt.data["KVCanaryConnector"].data == stats.data
+    assert KVCanaryConnector.__name__ == "KVCanaryConnector"  # the name vLLM keys children by

@@ -1,6 +1,13 @@
 """The `vllm.general_plugins` entry point: the `KVCANARY_MODE` shortcut and one compatibility
 fix. vLLM loads general plugins in every process (API server, engine core, workers).
 
+In every process the entry point also registers `KVCanaryConnector` by name with vLLM's
+`KVConnectorFactory.register_connector` (public API, no patch). Without it a `MultiConnector` that
+holds the canary (the shortcut beside a user's connector, or a user's own composition) kills the
+server at its first stats: the API-server process rebuilds each child's `KVConnectorStats` from
+the engine core's dict by class name (`MultiConnector.build_kv_connector_stats` ->
+`get_connector_class_by_name`), which raises "Connector 'KVCanaryConnector' is not registered".
+
 Monkeypatches (each named in docs/architecture.md, each with a signature test in
 tests/adapters/test_vllm_hooks.py):
 
@@ -39,6 +46,7 @@ __all__ = [
     "apply_patches",
     "canary_transfer_config",
     "recover_policy",
+    "register_connector_name",
     "register_from_env",
     "write_stop_note",
 ]
@@ -206,8 +214,21 @@ def register_from_env(environ: Mapping[str, str] | None = None) -> bool:
         )
     shortcut = mode in ("log", "raise", "recover")
     _ensure_log_handler()
+    register_connector_name()
     apply_patches(shortcut)
     return shortcut
+
+
+def register_connector_name() -> None:
+    """Register `KVCanaryConnector` with vLLM's connector factory under its class name, once per
+    process (vLLM raises on a second registration of a name)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    name = CONNECTOR_CONFIG["kv_connector"]
+    if name not in KVConnectorFactory._registry:  # no public "is registered" query in 0.32
+        KVConnectorFactory.register_connector(
+            name, CONNECTOR_CONFIG["kv_connector_module_path"], name
+        )
 
 
 def _ensure_log_handler() -> None:

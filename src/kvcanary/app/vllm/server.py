@@ -46,6 +46,9 @@ class VllmServer:
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     log_path: Path | None = None
+    #: a user's own `--kv-transfer-config`, passed as is (then `extra_config` is unused; the
+    #: canary comes in through `KVCANARY_MODE` in `env`, the plugin's shortcut)
+    transfer_config: Mapping[str, Any] | None = None
     port: int = 0
     process: subprocess.Popen[bytes] | None = None
 
@@ -63,6 +66,8 @@ class VllmServer:
         }  # fmt: skip
         if str(self.extra_config.get("mode", "")).strip().lower() == "recover":
             transfer["kv_load_failure_policy"] = "recompute"  # recover: vLLM recomputes
+        if self.transfer_config is not None:
+            transfer = dict(self.transfer_config)
         return [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init",
