@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvcanary.adapters.vllm.callers import calling_instance
 from kvcanary.adapters.vllm.install import config_from
+from kvcanary.adapters.vllm.pd_sidecar import ExampleSidecars, find_example_sibling
 from kvcanary.adapters.vllm.recover import SchedulerRecovery, calling_scheduler, worker_damage
 from kvcanary.adapters.vllm.state import STATE
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, ParentLedger, snapshot_pool
@@ -207,6 +208,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = config_from(os.environ, extra)
         self.worker: CanaryWorker | None = None
+        self.sidecars: ExampleSidecars | None = None  # beside an ExampleConnector (PD)
         self.invalid_block_ids: set[int] = set()
         # scheduler half
         self._pool: Any = None
@@ -236,6 +238,11 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if worker.install(kv_caches) is not None:
             self.worker = worker
             STATE.layout = worker.layout
+            sibling = find_example_sibling()
+            if sibling is not None:  # PD over shared storage: the records ride the KV
+                self.sidecars = ExampleSidecars(sibling)
+                logger.info("kv-canary: sidecars ride ExampleConnector's storage (%s)",
+                            getattr(sibling, "_storage_path", "?"))  # fmt: skip
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """HEAD for this forward (called before the model; nothing is loaded)."""
@@ -245,6 +252,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if isinstance(meta, CanaryStepMeta) and meta.driver and hasattr(w.hooks, "inbox"):
             w.hooks.inbox(meta.driver)
+        if self.sidecars is not None:  # ExampleConnector, called before us, has landed its KV
+            self._raising(self.sidecars.land, w)
         self._raising(w.before_forward, getattr(forward_context, "slot_mapping", None))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -264,6 +273,8 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if snapshot is not None and snapshot.block_size != w.block_size:
             snapshot = None  # scheduler and kernel block sizes differ: no sweep this step
         self._raising(w.after_forward, snapshot)
+        if self.sidecars is not None:  # after TAIL: the records of what ExampleConnector saved
+            self.sidecars.export(w)
 
     def _raising(self, fn: Any, arg: Any) -> None:
         from kvcanary.canary import CanaryViolationError

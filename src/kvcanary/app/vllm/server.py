@@ -150,11 +150,17 @@ class HttpResult:
     error: str = ""
     body: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def output_ids(self) -> list[int]:
+        """The generated token ids (the server is asked to return them)."""
+        choices = self.body.get("choices") or [{}]
+        return [int(t) for t in choices[0].get("token_ids") or []]
+
 
 def _complete(url: str, model: str, req: VllmRequest, timeout: float) -> HttpResult:
     body = json.dumps({
         "model": model, "prompt": list(req.prompt), "max_tokens": req.max_tokens,
-        "temperature": 0.0, "ignore_eos": True,
+        "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
     }).encode()  # fmt: skip
     request = urllib.request.Request(url + "/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})  # fmt: skip

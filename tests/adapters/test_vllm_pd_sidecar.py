@@ -1,0 +1,100 @@
+"""Prefill -> decode between two real vLLM OpenAI servers over vLLM's ExampleConnector (shared
+storage), each with the canary (`KVCANARY_MODE=log`, the plugin composes it after the user's
+connector): the prefill engine writes each saved request's records beside its KV, the decode
+engine imports them at its own landing slots and verifies them before HEAD. Clean: every landing
+verified, 0 violations, decode output identical to the prefill engine's own greedy output. Faults
+(SPEC §14.4): a sidecar removed (KV landed without records) and two sidecars swapped (another
+request's records) are each reported on the decode engine, for that landing only."""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvcanary.adapters.vllm.pd_sidecar import SIDECAR_FILE
+from kvcanary.app.vllm.engine import VllmSettings
+from kvcanary.app.vllm.model import ensure_tiny_llama
+from kvcanary.app.vllm.server import VllmServer, drive, kvcanary_series, scrape
+from kvcanary.app.vllm.workload import VllmRequest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK = 32
+LANDED = re.compile(
+    r"kv-canary: landed KV of (\d+) slots verified \(sidecar (\w+)\): (\d+) violations"
+)
+
+
+def _prompts(seed: int, count: int, length: int) -> list[tuple[int, ...]]:
+    # (L - 1) % BLOCK != 0, so ExampleConnector's match and save lengths agree; L below the
+    # prefill engine's token budget, so the prompt is saved whole in its first step
+    assert (length - 1) % BLOCK and BLOCK + 2 <= length <= 128
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(1, 500) for _ in range(length)) for _ in range(count)]
+
+
+def _folders(storage: Path) -> set[Path]:
+    return {p.parent for p in storage.glob(f"*/{SIDECAR_FILE}")}
+
+
+def test_pd_pair_lands_verified_kv_and_reports_bad_sidecars(tmp_path: Path) -> None:
+    storage = tmp_path / "kv"
+    storage.mkdir()
+    user = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)}}  # fmt: skip
+    settings = VllmSettings(model=ensure_tiny_llama(), dtype="auto", kv_blocks=64,
+                            block_size=BLOCK)  # fmt: skip
+    prefill, decode = (VllmServer(settings, env={"KVCANARY_MODE": "log"}, transfer_config=user,
+                                  log_path=tmp_path / f"{name}.log")
+                       for name in ("prefill", "decode"))  # fmt: skip
+    try:
+        starts = [threading.Thread(target=s.start) for s in (prefill, decode)]
+        for t in starts:
+            t.start()
+        for t in starts:
+            t.join()
+        assert prefill.alive() and decode.alive()
+        clean = _prompts(seed=1, count=4, length=100)
+        faulty = _prompts(seed=2, count=3, length=70)
+        folder = {}
+        for prompt in clean + faulty:  # prefill: one token, the KV and its records saved
+            before = _folders(storage)
+            [r] = drive(prefill, [VllmRequest(prompt, 1)])
+            assert r.status == 200, r.error
+            [folder[prompt]] = _folders(storage) - before
+        # the reference: the prefill engine's own greedy output
+        reference = [drive(prefill, [VllmRequest(p, 8)])[0].output_ids for p in clean]
+        got = [drive(decode, [VllmRequest(p, 8)])[0].output_ids for p in clean]
+        assert got == reference and all(len(o) == 8 for o in got)
+        clean_log = decode.log_path.read_text(errors="replace")  # type: ignore[union-attr]
+        landed = LANDED.findall(clean_log)
+        assert len(landed) == len(clean) and all(v == "0" and s == "imported"
+                                                 for _, s, v in landed), landed  # fmt: skip
+        assert kvcanary_series(scrape(decode))["kvcanary_violations_total"] == 0
+        # faults: the decode engine lands the KV of `faulty` with bad records
+        sidecars = [folder[p] for p in faulty]
+        (sidecars[0] / SIDECAR_FILE).unlink()  # landed without records
+        a, b = sidecars[1] / SIDECAR_FILE, sidecars[2] / SIDECAR_FILE
+        tmp = tmp_path / "swap"
+        shutil.copyfile(a, tmp)
+        shutil.copyfile(b, a)
+        shutil.copyfile(tmp, b)  # each carries the other request's records
+        results = drive(decode, [VllmRequest(p, 4) for p in faulty], concurrency=1)
+        assert [r.status for r in results] == [200] * 3  # log mode keeps serving
+        assert decode.alive()
+        after = kvcanary_series(scrape(decode))
+    finally:
+        prefill.close()
+        decode.close()
+    log = decode.log_path.read_text(errors="replace")[len(clean_log) :]  # type: ignore[union-attr]
+    landed = LANDED.findall(log)
+    assert [s for _, s, _ in landed] == ["missing", "imported", "imported"], landed
+    assert all(int(v) > 0 for _, _, v in landed), landed  # every bad landing reported
+    # log mode leaves the bad records in place, so HEAD / TAIL of the forwards that read them
+    # report them again: the landing's own rows are a part of the total
+    assert after["kvcanary_violations_total"] >= sum(int(v) for _, _, v in landed)
