@@ -4,7 +4,9 @@ connector): the prefill engine writes each saved request's records beside its KV
 engine imports them at its own landing slots and verifies them before HEAD. Clean: every landing
 verified, 0 violations, decode output identical to the prefill engine's own greedy output. Faults
 (SPEC §14.4): a sidecar removed (KV landed without records) and two sidecars swapped (another
-request's records) are each reported on the decode engine, for that landing only."""
+request's records) are each reported on the decode engine, for that landing only; and the
+fault connector (`kvcanary.app.vllm.pd_faults`, loaded by vLLM through `kv_connector_module_path`)
+breaks landings (wrong slots, a block never written, corrupted bytes), each caught 1:1."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 from kvcanary.adapters.vllm.pd_sidecar import SIDECAR_FILE
 from kvcanary.app.vllm.engine import VllmSettings
 from kvcanary.app.vllm.model import ensure_tiny_llama
+from kvcanary.app.vllm.pd_faults import FAULTS
 from kvcanary.app.vllm.server import VllmServer, drive, kvcanary_series, scrape
 from kvcanary.app.vllm.workload import VllmRequest
 
@@ -98,3 +101,48 @@ def test_pd_pair_lands_verified_kv_and_reports_bad_sidecars(tmp_path: Path) -> N
     # log mode leaves the bad records in place, so HEAD / TAIL of the forwards that read them
     # report them again: the landing's own rows are a part of the total
     assert after["kvcanary_violations_total"] >= sum(int(v) for _, _, v in landed)
+
+
+FAULT_LINE = re.compile(r"kvcanary-pd-fault: load=(\d+) fault=(\w+) slots=(\d+)")
+
+
+def test_fault_connector_landings_are_caught_one_to_one(tmp_path: Path) -> None:
+    storage = tmp_path / "kv"
+    storage.mkdir()
+    settings = VllmSettings(model=ensure_tiny_llama(), dtype="auto", kv_blocks=64,
+                            block_size=BLOCK)  # fmt: skip
+    user = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)}}  # fmt: skip
+    faulty = {"kv_connector": "PDFaultConnector",
+              "kv_connector_module_path": "kvcanary.app.vllm.pd_faults", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"shared_storage_path": str(storage),
+                                            "fault_schedule": list(FAULTS)}}  # fmt: skip
+    prefill = VllmServer(settings, env={"KVCANARY_MODE": "log"}, transfer_config=user,
+                         log_path=tmp_path / "prefill.log")  # fmt: skip
+    decode = VllmServer(settings, env={"KVCANARY_MODE": "log"}, transfer_config=faulty,
+                        log_path=tmp_path / "decode.log")  # fmt: skip
+    prompts = _prompts(seed=3, count=2 * len(FAULTS), length=100)
+    try:
+        starts = [threading.Thread(target=s.start) for s in (prefill, decode)]
+        for t in starts:
+            t.start()
+        for t in starts:
+            t.join()
+        assert prefill.alive() and decode.alive()
+        for prompt in prompts:
+            assert drive(prefill, [VllmRequest(prompt, 1)])[0].status == 200
+        # one landing at a time, so load i of the schedule is request i
+        results = drive(decode, [VllmRequest(p, 4) for p in prompts], concurrency=1)
+        assert [r.status for r in results] == [200] * len(prompts)
+        assert decode.alive()
+    finally:
+        prefill.close()
+        decode.close()
+    log = decode.log_path.read_text(errors="replace")  # type: ignore[union-attr]
+    journal = FAULT_LINE.findall(log)
+    landed = LANDED.findall(log)
+    assert [f for _, f, _ in journal] == [FAULTS[i % len(FAULTS)] for i in range(len(prompts))]
+    assert len(landed) == len(journal) and all(s == "imported" for _, s, _ in landed), landed
+    for (_, fault, _), (_, _, violations) in zip(journal, landed, strict=True):
+        # 1:1: a clean landing reports nothing, every faulty one is reported at its landing
+        assert (int(violations) > 0) == (fault != "none"), (fault, violations)
