@@ -48,6 +48,9 @@ CORES = len(os.sched_getaffinity(0))
         (["--dtype", "int8"], "kvcanary vllm: --dtype must be auto, float32, bfloat16 or float16, got 'int8'; pass e.g. --dtype bfloat16"),
         (["--tensor-parallel-size", "0"], "kvcanary vllm: --tensor-parallel-size must be 1 or more, got 0; pass 1"),
         (["--kv-canary", "recover", "--faults", "all", "--tensor-parallel-size", "2"], "kvcanary vllm: --kv-canary recover --faults is a single-rank campaign (its outcomes are validated on one rank only); got --tensor-parallel-size 2; pass --tensor-parallel-size 1"),
+        (["--disaggregate", "--faults", "bogus"], "kvcanary vllm: --faults: unknown transfer fault 'bogus'; choose from all, none, wrong_slots, dropped_block, corrupt_bytes"),
+        (["--disaggregate", "--serve"], "kvcanary vllm: --disaggregate runs its own two servers with --kv-canary log or raise; drop --serve / pass --kv-canary log"),
+        (["--disaggregate", "--seeds", "0"], "kvcanary vllm: --seeds must be positive, got 0; pass --seeds 1 or more"),
         (["--tensor-parallel-size", str(CORES + 1)], f"kvcanary vllm: --tensor-parallel-size {CORES + 1} needs a CPU core per rank, this machine gives {CORES}; pass --tensor-parallel-size {CORES}"),
     ],
 )  # fmt: skip

@@ -10,9 +10,13 @@ breaks landings (wrong slots, a block never written, corrupted bytes), each caug
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -21,7 +25,7 @@ import pytest
 from kvcanary.adapters.vllm.pd_sidecar import SIDECAR_FILE
 from kvcanary.app.vllm.engine import VllmSettings
 from kvcanary.app.vllm.model import ensure_tiny_llama
-from kvcanary.app.vllm.pd_faults import FAULTS
+from kvcanary.app.vllm.pd_campaign import FAULTS
 from kvcanary.app.vllm.server import VllmServer, drive, kvcanary_series, scrape
 from kvcanary.app.vllm.workload import VllmRequest
 
@@ -146,3 +150,21 @@ def test_fault_connector_landings_are_caught_one_to_one(tmp_path: Path) -> None:
     for (_, fault, _), (_, _, violations) in zip(journal, landed, strict=True):
         # 1:1: a clean landing reports nothing, every faulty one is reported at its landing
         assert (int(violations) > 0) == (fault != "none"), (fault, violations)
+
+
+def test_the_disaggregate_command_runs_clean_and_catches_every_fault(tmp_path: Path) -> None:
+    # CI size; the closing note's measurement runs --requests 100 --seeds 10
+    out = tmp_path / "pd.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcanary.cli", "vllm", "--disaggregate", "--requests", "3",
+         "--faults", "all", "--seeds", "1", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=1200,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["outputs_identical"] == doc["clean_landings_verified"] == 3
+    assert doc["clean_violations"] == 0 and doc["requests_failed"] == 0
+    assert [r["fault"] for r in doc["rows"]] == list(FAULTS[1:])
+    assert doc["faults_caught"] == doc["fault_cases"] == 3 and doc["still_serving"]
+    assert "transfer faults (caught at the landing / cases)" in result.stdout

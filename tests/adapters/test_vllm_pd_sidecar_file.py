@@ -44,3 +44,21 @@ def test_garbage_or_truncated_sidecars_are_refused(tmp_path_factory: pytest.Temp
     good = _records(64).to_bytes()
     path.write_bytes(data if data else good[: min(cut, len(good) - 1)])
     assert ExampleSidecars._read(str(path), 64) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(nblocks=st.integers(min_value=1, max_value=5), first=st.integers(1, 1000),
+       fault=st.sampled_from(["wrong_slots", "dropped_block"]))  # fmt: skip
+def test_every_slot_fault_really_moves_kv(nblocks: int, first: int, fault: str) -> None:
+    # a fault that moves nothing would be a "miss" the canary could never catch
+    import torch
+
+    from kvcanary.app.vllm.pd_faults import faulty_slot_mapping
+
+    bs = 32
+    slots = torch.arange(first * bs, (first + nblocks) * bs)
+    out = faulty_slot_mapping(slots, fault, bs)
+    assert len(out) == len(slots) and int((out != slots).sum()) >= bs // 2
+    assert torch.equal(faulty_slot_mapping(slots, "none", bs), slots)
+    if fault == "wrong_slots":  # a permutation of the landing: every slot written once
+        assert sorted(out.tolist()) == slots.tolist()

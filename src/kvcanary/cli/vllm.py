@@ -125,6 +125,15 @@ def vllm(
             "server on 127.0.0.1 (default process layout)",
         ),
     ] = False,
+    disaggregate: Annotated[
+        bool,
+        typer.Option(
+            "--disaggregate",
+            help="two OpenAI servers as prefill and decode over ExampleConnector's shared "
+            "storage, the canary's records riding the KV; --faults: wrong_slots, dropped_block, "
+            "corrupt_bytes",
+        ),
+    ] = False,
     concurrency: Annotated[int, typer.Option(help="requests in flight with --serve")] = 16,
     max_num_batched_tokens: Annotated[int, typer.Option(help="token budget per step")] = 128,
     verify_tokens: Annotated[
@@ -168,7 +177,9 @@ def vllm(
     if model is not None and not (model / "config.json").is_file():
         raise BadInput(f"--model {model} has no config.json; pass a local model directory or "
                        "--tiny")  # fmt: skip
-    modes = _names(faults, VLLM_FAULT_MODES)
+    from kvcanary.app.vllm.pd_campaign import PD_FAULTS, PDSpec
+
+    modes = _names(faults, PD_FAULTS if disaggregate else VLLM_FAULT_MODES)
     try:
         if verify_tokens:
             os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
@@ -177,8 +188,13 @@ def vllm(
         config = _canary_config(kv_canary, kv_canary_real_data, kv_canary_sweep_interval)
         n_req = requests if requests is not None else (64 if modes else 200)
         n_tok = max_tokens if max_tokens is not None else (32 if modes else 64)
-        spec = VllmCampaignSpec(modes=modes, seeds=seeds, first_seed=first_seed, requests=n_req,
-                                max_tokens=n_tok, sweep_interval=kv_canary_sweep_interval)  # fmt: skip
+        if disaggregate:
+            pd_spec = PDSpec(requests=requests if requests is not None else 100, faults=modes,
+                             seeds=seeds, first_seed=first_seed, mode=config.mode.value)  # fmt: skip
+        else:
+            spec = VllmCampaignSpec(modes=modes, seeds=seeds, first_seed=first_seed,
+                                    requests=n_req, max_tokens=n_tok,
+                                    sweep_interval=kv_canary_sweep_interval)  # fmt: skip
         for name, value in (("--requests", n_req), ("--max-tokens", n_tok),
                             ("--kv-blocks", kv_blocks), ("--max-num-seqs", max_num_seqs),
                             ("--max-num-batched-tokens", max_num_batched_tokens)):  # fmt: skip
@@ -189,6 +205,9 @@ def vllm(
                            f"attention), got {block_size}; pass --block-size 32")  # fmt: skip
         if modes and not config.enabled:
             raise BadInput("--faults needs the canary on; pass --kv-canary log or raise")
+        if disaggregate and (serve or config.mode.value not in ("log", "raise")):
+            raise BadInput("--disaggregate runs its own two servers with --kv-canary log or "
+                           "raise; drop --serve / pass --kv-canary log")  # fmt: skip
         if modes and serve:
             raise BadInput("--faults and --serve do not combine (the campaign drives vLLM's "
                            "LLM engine); drop one of them")  # fmt: skip
@@ -217,6 +236,11 @@ def vllm(
         max_num_batched_tokens=max_num_batched_tokens, seed=seed, dtype=dtype,
         tensor_parallel_size=tensor_parallel_size,
     )  # fmt: skip
+    if disaggregate:
+        from kvcanary.cli.vllm_pd import run_disaggregated
+
+        run_disaggregated(settings, pd_spec, json_path)
+        return
     if serve:
         _bind_ranks(tensor_parallel_size)
         _serve_run(settings, config, n_req, seed, n_tok, concurrency, json_path)

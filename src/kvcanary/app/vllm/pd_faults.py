@@ -8,7 +8,8 @@ broken landing, loaded on the decode engine through `kv_connector_module_path`.
 Load i (in the order this worker lands requests) gets `fault_schedule[i % len]`:
 
 * `none`: a clean landing;
-* `wrong_slots`: the KV of the request's first two blocks lands swapped (pages in the wrong slots);
+* `wrong_slots`: the KV of the request's first two blocks lands swapped (pages in the wrong
+  slots; a one-block landing gets the two halves of its block swapped);
 * `dropped_block`: the last block's KV is never written (it goes to vLLM's null block 0) while
   the landing is reported complete;
 * `corrupt_bytes`: every landed byte of the first block is changed after the landing (the sign
@@ -32,26 +33,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnectorMetadata,
 )
 
-__all__ = ["FAULTS", "PDFaultConnector", "faulty_slot_mapping"]
+from kvcanary.app.vllm.pd_campaign import FAULTS
+
+__all__ = ["PDFaultConnector", "faulty_slot_mapping"]
 
 logger = logging.getLogger("kvcanary")
-
-FAULTS = ("none", "wrong_slots", "dropped_block", "corrupt_bytes")
 
 
 def faulty_slot_mapping(slots: torch.Tensor, fault: str, block_size: int) -> torch.Tensor:
     """Where the worker's copy actually writes each position's KV under `fault`."""
     out = slots.clone()
     nblocks = len(slots) // block_size
-    if fault == "wrong_slots" and nblocks >= 2:
-        a, b = slice(0, block_size), slice(block_size, 2 * block_size)
+    if fault == "wrong_slots" and len(slots) >= 2:
+        # the first two blocks swapped; a one-block landing swaps the halves of its block
+        half = block_size if nblocks >= 2 else len(slots) // 2
+        a, b = slice(0, half), slice(half, 2 * half)
         out[a], out[b] = slots[b], slots[a]
     elif fault == "dropped_block" and nblocks >= 1:
         out[-block_size:] = torch.arange(block_size)  # the null block: never read
     return out
 
 
-class PDFaultConnector(ExampleConnector):  # type: ignore[misc]
+class PDFaultConnector(ExampleConnector):
     """ExampleConnector whose landings follow `fault_schedule` (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:

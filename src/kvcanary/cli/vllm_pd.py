@@ -1,0 +1,63 @@
+"""`kvcanary vllm --disaggregate`: the real vLLM prefill -> decode pair (app.vllm.pd_campaign)
+behind a progress bar, a table per fault and the exit status."""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvcanary.cli.commands import EXIT_VIOLATIONS, err_console, print_summary
+
+__all__ = ["run_disaggregated"]
+
+
+def run_disaggregated(settings: Any, spec: Any, json_path: Path | None) -> None:
+    """Run the campaign; exit 1 when a clean request was not clean (a violation, a different
+    output, a failed request) or a fault case was not caught at its landing."""
+    from kvcanary.app.vllm.pd_campaign import run_pd_campaign
+
+    work = Path(tempfile.mkdtemp(prefix="kvcanary-vllm-pd-"))
+    err_console.print(f"starting two vLLM OpenAI servers (prefill, decode) on 127.0.0.1; "
+                      f"storage and logs in {work} ...", markup=False)  # fmt: skip
+    total = spec.requests + spec.seeds * len(spec.faults)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console) as bar:  # fmt: skip
+        task = bar.add_task("prefill -> decode requests", total=total)
+        figures = run_pd_campaign(settings, spec, work, tick=lambda: bar.advance(task))
+    rows = figures.pop("rows")
+    if rows:
+        table = Table(title="transfer faults (caught at the landing / cases)")
+        for col in ("fault", "caught", "landing violations (min-max)"):
+            table.add_column(col)
+        caught, cases = Counter[str](), Counter[str]()
+        found: dict[str, list[int]] = {}
+        for r in rows:
+            cases[r["fault"]] += 1
+            caught[r["fault"]] += bool(r["caught"])
+            found.setdefault(r["fault"], []).append(r["landing_violations"])
+        for fault, n in cases.items():
+            v = found[fault]
+            table.add_row(fault, f"{caught[fault]}/{n}", f"{min(v)}-{max(v)}")
+        Console().print(table)
+    print_summary("kvcanary vllm --disaggregate", figures, None)
+    if json_path is not None:
+        import json
+
+        json_path.write_text(json.dumps({**figures, "rows": rows}, indent=2) + "\n")
+    clean_ok = (figures["clean_violations"] == 0 and figures["requests_failed"] == 0
+                and figures["outputs_identical"] == figures["clean_requests"]
+                and figures["clean_landings_verified"] == figures["clean_requests"])  # fmt: skip
+    missed = [r for r in rows if not r["caught"]]
+    if not clean_ok or missed or not figures["still_serving"]:
+        first = f"; first missed: seed {missed[0]['seed']} {missed[0]['fault']}" if missed else ""
+        typer.echo(f"kvcanary vllm --disaggregate: not clean or not caught{first}; replay with "
+                   f"--disaggregate --first-seed {missed[0]['seed'] if missed else spec.first_seed}"
+                   f" --seeds 1; decode log {figures['decode_log']}", err=True)  # fmt: skip
+        raise typer.Exit(EXIT_VIOLATIONS)
