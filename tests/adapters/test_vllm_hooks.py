@@ -112,6 +112,26 @@ def test_the_shortcut_composes_with_a_users_connector() -> None:
     assert canary_transfer_config(multi).kv_connector_extra_config["connectors"] == children
 
 
+def test_the_shortcut_keeps_the_users_top_level_settings() -> None:
+    # vLLM reads the load-failure policy (and ports, engine id) from the top-level config: a
+    # MultiConnector built around the user's connector must not reset them to the defaults
+    from vllm.config import KVTransferConfig
+
+    from kvcanary.adapters.vllm.plugin import canary_transfer_config
+
+    user = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_consumer",
+                            kv_load_failure_policy="recompute", kv_port=14999,
+                            kv_connector_extra_config={"shared_storage_path": "/tmp/x"})  # fmt: skip
+    multi = canary_transfer_config(user)
+    assert multi.kv_connector == "MultiConnector" and multi.kv_connector_module_path is None
+    assert (multi.kv_load_failure_policy, multi.kv_port, multi.kv_role, multi.engine_id) == (
+        "recompute",
+        14999,
+        "kv_consumer",
+        user.engine_id,
+    )
+
+
 def test_connector_config_rejects_unknown_keys_and_takes_recover() -> None:
     from kvcanary.adapters.vllm.install import config_from
 

@@ -6,7 +6,9 @@ verified, 0 violations, decode output identical to the prefill engine's own gree
 (SPEC §14.4): a sidecar removed (KV landed without records) and two sidecars swapped (another
 request's records) are each reported on the decode engine, for that landing only; and the
 fault connector (`kvcanary.app.vllm.pd_faults`, loaded by vLLM through `kv_connector_module_path`)
-breaks landings (wrong slots, a block never written, corrupted bytes), each caught 1:1."""
+breaks landings (wrong slots, a block never written, corrupted bytes, one flipped bit, a late
+duplicate of the previous landing, a landing that stops after layer 0), each caught 1:1; in mode
+`recover` each bad landing is recomputed for its request only."""
 
 from __future__ import annotations
 
@@ -166,5 +168,26 @@ def test_the_disaggregate_command_runs_clean_and_catches_every_fault(tmp_path: P
     assert doc["outputs_identical"] == doc["clean_landings_verified"] == 3
     assert doc["clean_violations"] == 0 and doc["requests_failed"] == 0
     assert [r["fault"] for r in doc["rows"]] == list(FAULTS[1:])
-    assert doc["faults_caught"] == doc["fault_cases"] == 3 and doc["still_serving"]
+    assert doc["faults_caught"] == doc["fault_cases"] == len(FAULTS) - 1 and doc["still_serving"]
+    assert "transfer faults (caught at the landing / cases)" in result.stdout
+
+
+def test_recover_mode_recomputes_only_the_request_whose_landing_was_bad(tmp_path: Path) -> None:
+    # SPEC §14.4 / §14.3: each bad landing becomes a vLLM load error for that request, which
+    # recomputes it (the user's kv_load_failure_policy=recompute, kept by the plugin): every
+    # fault case ends with the prefill engine's own greedy tokens, the clean requests untouched
+    out = tmp_path / "pd.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcanary.cli", "vllm", "--disaggregate", "--kv-canary",
+         "recover", "--requests", "2", "--faults", "all", "--seeds", "1", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=1200,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["outputs_identical"] == 2 and doc["clean_violations"] == 0
+    assert doc["requests_failed"] == 0 and doc["still_serving"]
+    assert [(r["fault"], r["caught"], r["output_identical"]) for r in doc["rows"]] == [
+        (f, True, True) for f in FAULTS[1:]
+    ]
     assert "transfer faults (caught at the landing / cases)" in result.stdout

@@ -204,6 +204,40 @@ def test_bad_imports_and_verifies_are_contract_errors(make_canary: MakeCanary) -
         SidecarRecords("full", ("k",), (b"x" * 31,), (b"x" * 31,))
 
 
+def test_landed_bytes_with_another_checksum_are_tail_real_kv(make_canary: MakeCanary) -> None:
+    """A transfer checksum over bytes the fingerprint does not read (another layer, say): only
+    the slots whose sums differ are reported, as TAIL real-KV rows carrying both sums."""
+    src, src_canary, src_slots = _sender(make_canary)
+    dst, dst_canary = make_canary(pool=HandPool(next_slot=40))
+    dst_slots = dst.alloc(len(PROMPT))
+    _land(src, src_canary, src_slots, dst, dst_canary, dst_slots)
+    sidecars = CanarySidecars(dst_canary)
+    sums = [11, 22, 33, 44, 55, 66]
+    same = sidecars.report_landed_bytes(group="full", slots=dst_slots, positions=list(range(6)),
+                                        landed=sums, expected=sums, tokens=PROMPT)  # fmt: skip
+    assert same == 0 and dst_canary.drain_violations() == []
+    got = [*sums[:2], -7, -8, *sums[4:]]
+    assert sidecars.report_landed_bytes(group="full", slots=dst_slots, positions=list(range(6)),
+                                        landed=got, expected=sums) == 2  # fmt: skip
+    rows = dst_canary.drain_violations()
+    assert {(tag_name(v.kernel_kind), v.slot_idx, v.position) for v in rows} == {
+        ("TAIL_K_FULL", dst_slots[2], 2),
+        ("TAIL_K_FULL", dst_slots[3], 3),
+    }
+    assert {"+".join(fail_reason_labels(v.fail_reason_bits)) for v in rows} == {
+        "verify_real_kv_hash"
+    }
+    assert [(v.stored_chain_hash, v.expected_aux) for v in rows] == [(-7, 33), (-8, 44)]
+    with pytest.raises(CanaryContractError, match="lengths differ"):
+        sidecars.report_landed_bytes(group="full", slots=dst_slots, positions=list(range(6)),
+                                     landed=sums[:5], expected=sums)  # fmt: skip
+    with pytest.raises(CanaryContractError, match="outside"):
+        sidecars.report_landed_bytes(group="full", slots=[10**6], positions=[0], landed=[1],
+                                     expected=[2])  # fmt: skip
+    assert NullSidecars().report_landed_bytes(group="full", slots=[1], positions=[0],
+                                              landed=[1], expected=[2]) == 0  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "data",
     [b"", b"KVCS", b"XXXX" + bytes(12), b"KVCS\x00\x01\x00\x00" + (1).to_bytes(8, "little")],

@@ -27,7 +27,7 @@ from kvcanary.contract.errors import CanaryContractError
 from kvcanary.contract.groups import BufferGroupSpec, GroupKind
 from kvcanary.contract.incident import Incident
 from kvcanary.contract.oracle import TokenOracle
-from kvcanary.contract.tags import LaunchTag
+from kvcanary.contract.tags import FailReason, LaunchTag
 from kvcanary.contract.view import ForwardView
 from kvcanary.contract.violation import Violation
 from kvcanary.contract.walker import PrefixCacheWalker
@@ -266,6 +266,41 @@ class Canary:
                             stage=stage,
                         )  # fmt: skip
         self._pump()
+
+    def record_landed_bytes(
+        self,
+        *,
+        group: str,
+        slots: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        tokens: npt.NDArray[np.int64],
+        landed: npt.NDArray[np.int64],
+        expected: npt.NDArray[np.int64],
+    ) -> int:
+        """Landed slots whose transfer checksum (`landed[j]`, over the bytes that arrived)
+        differs from the sender's (`expected[j]`): one TAIL row each (the group's K half,
+        reason `verify_real_kv_hash`, the two checksums in the hash columns), then pump.
+        Returns the rows recorded. The caller range-checks the slots (`canary.transfer`)."""
+        if self._open is not None:
+            raise CanaryContractError("kv-canary: report of landed bytes while a forward is open")
+        g = self.group(group)
+        bad = landed != expected
+        if not bad.any():
+            return 0
+        tag = self._tags["tail", "k", g.name]
+        rows = np.stack(
+            [np.full(int(bad.sum()), int(tag), dtype=np.int64), slots[bad], positions[bad],
+             tokens[bad], tokens[bad], landed[bad], expected[bad],
+             np.full(int(bad.sum()), int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), np.int64)],
+            axis=1,
+        )  # fmt: skip
+        self.ring.absorb(rows)
+        if self.config.recover:
+            walked = np.stack([slots, positions, np.full_like(slots, -1)], axis=1)
+            self._incidents.sweep_pass(tag=int(tag), step=self.step, rows=rows, walked=walked,
+                                       group_slots=slots, stage="tail")  # fmt: skip
+        self._pump()
+        return len(rows)
 
     # ----------------------------------------------------------------- introspection
     @property

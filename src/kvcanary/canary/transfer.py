@@ -8,7 +8,11 @@
   no record is re-derived from tokens;
 - `verify_landed` checks the landed slots (chain to the receiver's predecessor slot, position,
   token when known, real-KV fingerprint of the bytes that actually landed) and reports any
-  mismatch as a violation of this canary.
+  mismatch as a violation of this canary;
+- `report_landed_bytes` reports landed slots whose transfer checksum (computed by the engine
+  or connector over every byte it moved, all layers) differs from the sender's, so damage
+  outside the bytes the fingerprint reads (another layer, a bit the partial fold skips) is a
+  violation too.
 
 Slot lists and records come from another process or a storage tier, so they are untrusted:
 every index is range-checked and every shape validated before a buffer is touched, and a bad
@@ -162,3 +166,31 @@ class CanarySidecars:
             group=g.name, slots=index, prevs=prev, positions=pos, tokens=tok
         )
         return self._canary.total_violations - before
+
+    def report_landed_bytes(
+        self,
+        *,
+        group: str,
+        slots: Sequence[int],
+        positions: Sequence[int],
+        landed: Sequence[int],
+        expected: Sequence[int],
+        tokens: Sequence[int] | None = None,
+    ) -> int:
+        """One violation per landed slot whose checksum `landed[j]` (receiver, over the bytes
+        that arrived) differs from `expected[j]` (sender); returns the number recorded."""
+        g = self._group(group)
+        index = self._slots(g, "landing slots", slots)
+        pos = _ints("positions", positions)
+        got, want = _ints("landed checksums", landed), _ints("expected checksums", expected)
+        tok = np.full(len(index), -1, dtype=np.int64) if tokens is None else _ints("tokens", tokens)
+        for name, arr in (("positions", pos), ("landed checksums", got),
+                          ("expected checksums", want), ("tokens", tok)):  # fmt: skip
+            if len(arr) != len(index):
+                raise CanaryContractError(
+                    f"kv-canary: transfer landing slots and {name} lengths differ: "
+                    f"{len(index)} vs {len(arr)}"
+                )
+        return self._canary.record_landed_bytes(
+            group=g.name, slots=index, positions=pos, tokens=tok, landed=got, expected=want
+        )

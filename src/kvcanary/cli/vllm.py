@@ -205,9 +205,9 @@ def vllm(
                            f"attention), got {block_size}; pass --block-size 32")  # fmt: skip
         if modes and not config.enabled:
             raise BadInput("--faults needs the canary on; pass --kv-canary log or raise")
-        if disaggregate and (serve or config.mode.value not in ("log", "raise")):
-            raise BadInput("--disaggregate runs its own two servers with --kv-canary log or "
-                           "raise; drop --serve / pass --kv-canary log")  # fmt: skip
+        if disaggregate and (serve or config.mode.value not in ("log", "raise", "recover")):
+            raise BadInput("--disaggregate runs its own two servers with --kv-canary log, "
+                           "raise or recover; drop --serve / pass --kv-canary log")  # fmt: skip
         if modes and serve:
             raise BadInput("--faults and --serve do not combine (the campaign drives vLLM's "
                            "LLM engine); drop one of them")  # fmt: skip

@@ -20,7 +20,8 @@ __all__ = ["run_disaggregated"]
 
 def run_disaggregated(settings: Any, spec: Any, json_path: Path | None) -> None:
     """Run the campaign; exit 1 when a clean request was not clean (a violation, a different
-    output, a failed request) or a fault case was not caught at its landing."""
+    output, a failed request) or a fault case was not caught at its landing (in mode `recover`:
+    or its recomputed output differs from the prefill engine's own)."""
     from kvcanary.app.vllm.pd_campaign import run_pd_campaign
 
     work = Path(tempfile.mkdtemp(prefix="kvcanary-vllm-pd-"))
@@ -33,18 +34,22 @@ def run_disaggregated(settings: Any, spec: Any, json_path: Path | None) -> None:
         figures = run_pd_campaign(settings, spec, work, tick=lambda: bar.advance(task))
     rows = figures.pop("rows")
     if rows:
+        recover = "output_identical" in rows[0]
         table = Table(title="transfer faults (caught at the landing / cases)")
-        for col in ("fault", "caught", "landing violations (min-max)"):
+        for col in ("fault", "caught", "landing violations (min-max)",
+                    *(("output identical",) if recover else ())):  # fmt: skip
             table.add_column(col)
-        caught, cases = Counter[str](), Counter[str]()
+        caught, cases, same = Counter[str](), Counter[str](), Counter[str]()
         found: dict[str, list[int]] = {}
         for r in rows:
             cases[r["fault"]] += 1
             caught[r["fault"]] += bool(r["caught"])
+            same[r["fault"]] += bool(r.get("output_identical"))
             found.setdefault(r["fault"], []).append(r["landing_violations"])
         for fault, n in cases.items():
             v = found[fault]
-            table.add_row(fault, f"{caught[fault]}/{n}", f"{min(v)}-{max(v)}")
+            table.add_row(fault, f"{caught[fault]}/{n}", f"{min(v)}-{max(v)}",
+                          *((f"{same[fault]}/{n}",) if recover else ()))  # fmt: skip
         Console().print(table)
     print_summary("kvcanary vllm --disaggregate", figures, None)
     if json_path is not None:
@@ -54,7 +59,7 @@ def run_disaggregated(settings: Any, spec: Any, json_path: Path | None) -> None:
     clean_ok = (figures["clean_violations"] == 0 and figures["requests_failed"] == 0
                 and figures["outputs_identical"] == figures["clean_requests"]
                 and figures["clean_landings_verified"] == figures["clean_requests"])  # fmt: skip
-    missed = [r for r in rows if not r["caught"]]
+    missed = [r for r in rows if not r["caught"] or r.get("output_identical") is False]
     if not clean_ok or missed or not figures["still_serving"]:
         first = f"; first missed: seed {missed[0]['seed']} {missed[0]['fault']}" if missed else ""
         typer.echo(f"kvcanary vllm --disaggregate: not clean or not caught{first}; replay with "

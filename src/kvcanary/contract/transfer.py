@@ -171,6 +171,21 @@ class SidecarTransfer(Protocol):
         the expected token or -1 (unknown). Returns the number of violations recorded."""
         ...
 
+    def report_landed_bytes(
+        self,
+        *,
+        group: str,
+        slots: Sequence[int],
+        positions: Sequence[int],
+        landed: Sequence[int],
+        expected: Sequence[int],
+        tokens: Sequence[int] | None = None,
+    ) -> int:
+        """Report landed slots whose transfer checksum (`landed[j]`, computed by the receiver
+        over the bytes that arrived) differs from the sender's `expected[j]` (TAIL tag of the
+        group, reason `verify_real_kv_hash`). Returns the number of violations recorded."""
+        ...
+
 
 @final
 class NullSidecars:
@@ -195,6 +210,19 @@ class NullSidecars:
         slots: Sequence[int],
         positions: Sequence[int],
         prev_slots: Sequence[int],
+        tokens: Sequence[int] | None = None,
+    ) -> int:
+        """Always 0."""
+        return 0
+
+    def report_landed_bytes(
+        self,
+        *,
+        group: str,
+        slots: Sequence[int],
+        positions: Sequence[int],
+        landed: Sequence[int],
+        expected: Sequence[int],
         tokens: Sequence[int] | None = None,
     ) -> int:
         """Always 0."""

@@ -49,7 +49,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvcanary.adapters.vllm.callers import calling_instance
 from kvcanary.adapters.vllm.install import config_from
 from kvcanary.adapters.vllm.pd_sidecar import ExampleSidecars, find_example_sibling
-from kvcanary.adapters.vllm.recover import SchedulerRecovery, calling_scheduler, worker_damage
+from kvcanary.adapters.vllm.recover import (
+    Damage,
+    SchedulerRecovery,
+    calling_scheduler,
+    worker_damage,
+)
 from kvcanary.adapters.vllm.state import STATE
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, ParentLedger, snapshot_pool
 
@@ -89,6 +94,7 @@ class CanaryWorkerMeta(KVConnectorWorkerMetadata):
     driver: list[Any] = field(default_factory=list)
     damage: tuple[tuple[str, int, int], ...] = ()  # mode recover: (req id, position, block index)
     sweep_blocks: tuple[int, ...] = ()  # mode recover: cached blocks a SWEEP found bad
+    landed: tuple[str, ...] = ()  # mode recover: requests whose landed KV failed its verify
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Sum the ranks' counts (each rank checks its own KV shard); keep every message."""
@@ -97,7 +103,8 @@ class CanaryWorkerMeta(KVConnectorWorkerMetadata):
         merged.update(other.violations)
         return CanaryWorkerMeta(dict(merged), self.forwards + other.forwards,
                                 [*self.driver, *other.driver], (*self.damage, *other.damage),
-                                tuple(sorted({*self.sweep_blocks, *other.sweep_blocks})))  # fmt: skip
+                                tuple(sorted({*self.sweep_blocks, *other.sweep_blocks})),
+                                tuple(sorted({*self.landed, *other.landed})))  # fmt: skip
 
 
 @runtime_checkable
@@ -210,6 +217,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: CanaryWorker | None = None
         self.sidecars: ExampleSidecars | None = None  # beside an ExampleConnector (PD)
         self.invalid_block_ids: set[int] = set()
+        self.landing_failed: set[str] = set()  # mode recover: requests with a bad landing
         # scheduler half
         self._pool: Any = None
         self.ledger = ParentLedger()
@@ -240,7 +248,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             STATE.layout = worker.layout
             sibling = find_example_sibling()
             if sibling is not None:  # PD over shared storage: the records ride the KV
-                self.sidecars = ExampleSidecars(sibling)
+                self.sidecars = ExampleSidecars(sibling, kv_caches)
                 logger.info("kv-canary: sidecars ride ExampleConnector's storage (%s)",
                             getattr(sibling, "_storage_path", "?"))  # fmt: skip
 
@@ -253,7 +261,15 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, CanaryStepMeta) and meta.driver and hasattr(w.hooks, "inbox"):
             w.hooks.inbox(meta.driver)
         if self.sidecars is not None:  # ExampleConnector, called before us, has landed its KV
-            self._raising(self.sidecars.land, w)
+            failed = self._raising(self.sidecars.land, w)
+            if self.config.recover and failed:
+                # vLLM's own load-error path: the request drops this step's tokens; our
+                # scheduler half then recomputes it from its tokens (or fails it)
+                self.invalid_block_ids |= failed
+                self.landing_failed |= {
+                    str(rid) for rid, state in w.runner.requests.items()
+                    if failed.intersection(state.block_ids[0])
+                }  # fmt: skip
         self._raising(w.before_forward, getattr(forward_context, "slot_mapping", None))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -276,11 +292,11 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if self.sidecars is not None:  # after TAIL: the records of what ExampleConnector saved
             self.sidecars.export(w)
 
-    def _raising(self, fn: Any, arg: Any) -> None:
+    def _raising(self, fn: Any, arg: Any) -> Any:
         from kvcanary.canary import CanaryViolationError
 
         try:
-            fn(arg)
+            return fn(arg)
         except CanaryViolationError as exc:
             from kvcanary.adapters.vllm.plugin import write_stop_note
 
@@ -296,13 +312,18 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         """Mode `recover`: the blocks of the requests this forward's incidents name (vLLM then
         drops their tokens of this step); the damage itself goes with the worker meta."""
         out, self.invalid_block_ids = self.invalid_block_ids, set()
+        landed, self.landing_failed = self.landing_failed, set()
         w = self.worker
         if self.config.recover and w is not None and w.canary is not None:
             found = worker_damage(w)
-            if found.damage or found.sweep_blocks:
+            # a bad landing damages its whole request, from position 0
+            damage = [d for d in found.damage if d.req_id not in landed]
+            damage += [Damage(rid, 0, 0) for rid in sorted(landed)]
+            if damage or found.sweep_blocks:
                 self._damage = CanaryWorkerMeta(
-                    damage=tuple((d.req_id, d.first_position, d.block_index) for d in found.damage),
+                    damage=tuple((d.req_id, d.first_position, d.block_index) for d in damage),
                     sweep_blocks=tuple(sorted(found.sweep_blocks)),
+                    landed=tuple(sorted(landed)),
                 )
             out |= found.report_blocks
         return out
@@ -319,6 +340,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         meta = CanaryWorkerMeta(dict(w.figures.violations), w.figures.forwards, driver)
         if damage is not None:
             meta.damage, meta.sweep_blocks = damage.damage, damage.sweep_blocks
+            meta.landed = damage.landed
         return meta
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -67,7 +68,8 @@ CONNECTOR_CONFIG: dict[str, Any] = {
 def canary_transfer_config(existing: Any) -> Any:
     """The `KVTransferConfig` with the canary: ours alone, `existing` unchanged when it already
     names the canary, or a `MultiConnector` of `existing`'s connector(s) followed by the canary
-    (last, so its HEAD runs after a real connector's synchronous loads)."""
+    (last, so its HEAD runs after a real connector's synchronous loads). Every other field of
+    `existing` (its `kv_load_failure_policy` included) is kept as the user set it."""
     from vllm.config import KVTransferConfig
 
     if existing is None or existing.kv_connector is None:
@@ -88,8 +90,11 @@ def canary_transfer_config(existing: Any) -> Any:
         if existing.kv_connector_module_path:
             user["kv_connector_module_path"] = existing.kv_connector_module_path
         extra = {"connectors": [user, dict(CONNECTOR_CONFIG)]}
-    return KVTransferConfig(kv_connector="MultiConnector", kv_role=existing.kv_role or "kv_both",
-                            kv_connector_extra_config=extra)  # fmt: skip
+    # every other top-level field stays the user's (kv_load_failure_policy, ports, engine id)
+    return dataclasses.replace(existing, kv_connector="MultiConnector",
+                               kv_role=existing.kv_role or "kv_both",
+                               kv_connector_module_path=None,
+                               kv_connector_extra_config=extra)  # fmt: skip
 
 
 def recover_policy(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -69,6 +69,9 @@ class WorkerDamage:
     damage: list[Damage] = field(default_factory=list)
     report_blocks: set[int] = field(default_factory=set)  # for get_block_ids_with_load_errors
     sweep_blocks: set[int] = field(default_factory=set)  # bad cached blocks, no request
+    #: requests whose landed (transferred) KV failed its verify: they resume reading nothing
+    #: cached, neither the connector's store nor the prefix cache (the landing is suspect)
+    landed: set[str] = field(default_factory=set)
 
 
 def damage_of(
@@ -269,6 +272,9 @@ class SchedulerRecovery:
                            "block %d into fresh blocks (recompute %d of %d)", d.req_id,
                            d.first_position, d.block_index, self.attempts[d.req_id],
                            self.retries)  # fmt: skip
+            if self._pending is not None and d.req_id in self._pending.landed:
+                # a bad landing: recompute from the tokens, not from the same transfer again
+                req.skip_reading_prefix_cache = True
             if req.status == RequestStatus.RUNNING and req in sched.running:
                 sched.running.remove(req)
                 # vLLM's own preemption: frees the request's blocks and resumes it from its
@@ -343,4 +349,5 @@ def _worker_damage(meta: Any) -> WorkerDamage | None:
     return WorkerDamage(
         damage=[Damage(str(r), int(p), int(j)) for r, p, j in (damage or ())],
         sweep_blocks={int(b) for b in (sweep or ())},
+        landed={str(r) for r in (getattr(meta, "landed", None) or ())},
     )

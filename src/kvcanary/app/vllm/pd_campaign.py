@@ -10,6 +10,9 @@ requests: the decode engine's greedy tokens must equal the prefill engine's own 
 engine's connector is `PDFaultConnector` with a schedule that is `none` for the clean requests,
 then the faults in order for each seed; landings run one at a time, so landing i is request i,
 and each landing line of the canary is correlated with the fault journal line of the same load.
+In mode `recover` (vLLM's `kv_load_failure_policy=recompute` set in the user's config, as a user
+would) a fault case must also end with the prefill engine's own greedy tokens: the bad landing is
+handed to vLLM as a load error and recomputed, only for that request.
 """
 
 from __future__ import annotations
@@ -32,7 +35,15 @@ __all__ = ["FAULTS", "LANDED", "PD_FAULTS", "PDSpec", "pd_prompts", "run_pd_camp
 LANDED = re.compile(r"kv-canary: landed KV of (\d+) slots verified \(sidecar (\w+)\): (\d+) viol")
 _JOURNAL = re.compile(r"kvcanary-pd-fault: load=(\d+) fault=(\w+) slots=(\d+)")
 #: the landings `pd_faults.PDFaultConnector` can make (kept here: that module imports vLLM)
-FAULTS = ("none", "wrong_slots", "dropped_block", "corrupt_bytes")
+FAULTS = (
+    "none",
+    "wrong_slots",
+    "dropped_block",
+    "corrupt_bytes",
+    "bit_flip",
+    "late_duplicate",
+    "partial_layers",
+)
 PD_FAULTS = FAULTS[1:]
 
 
@@ -74,12 +85,14 @@ def _servers(settings: VllmSettings, spec: PDSpec, work: Path,
     storage = work / "kv"
     storage.mkdir(parents=True, exist_ok=True)
     env = {"KVCANARY_MODE": spec.mode, "KVCANARY_RING_CAPACITY": "1000000"}
-    user = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+    # recover: the user asks vLLM to recompute a failed load (its default fails the request)
+    policy = {"kv_load_failure_policy": "recompute"} if spec.mode == "recover" else {}
+    user = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", **policy,
             "kv_connector_extra_config": {"shared_storage_path": str(storage)}}  # fmt: skip
     faulty = {"kv_connector": "PDFaultConnector",
               "kv_connector_module_path": "kvcanary.app.vllm.pd_faults", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"shared_storage_path": str(storage),
-                                            "fault_schedule": schedule}}  # fmt: skip
+              **policy, "kv_connector_extra_config": {"shared_storage_path": str(storage),
+                                                      "fault_schedule": schedule}}  # fmt: skip
     return (VllmServer(settings, env=env, transfer_config=user, log_path=work / "prefill.log"),
             VllmServer(settings, env=env, transfer_config=faulty, log_path=work / "decode.log"))  # fmt: skip
 
@@ -115,10 +128,14 @@ def run_pd_campaign(settings: VllmSettings, spec: PDSpec, work: Path,
             identical += got.status == 200 and got.output_ids == ref.output_ids
             tick()
         clean_violations = int(kvcanary_series(scrape(decode))["kvcanary_violations_total"])
+        fault_outputs: list[bool] = []
         for prompt in faulty:
             drive(prefill, [VllmRequest(prompt, 1)])
-            [got] = drive(decode, [VllmRequest(prompt, 4)])
+            [got] = drive(decode, [VllmRequest(prompt, spec.max_tokens)])
             failed += got.status != 200
+            if spec.mode == "recover":  # the damaged request recomputed: the right tokens
+                [ref] = drive(prefill, [VllmRequest(prompt, spec.max_tokens)])
+                fault_outputs.append(got.status == 200 and got.output_ids == ref.output_ids)
             tick()
         served = decode.alive() and prefill.alive()
         total = int(kvcanary_series(scrape(decode))["kvcanary_violations_total"]) if served else -1
@@ -132,8 +149,11 @@ def run_pd_campaign(settings: VllmSettings, spec: PDSpec, work: Path,
         k = spec.requests + i
         ok = k < len(journal) and k < len(landed) and journal[k][1] == fault
         found = int(landed[k][2]) if ok else 0
-        rows.append({"seed": seed, "fault": fault, "landing_violations": found,
-                     "caught": ok and found > 0})  # fmt: skip
+        row = {"seed": seed, "fault": fault, "landing_violations": found,
+               "caught": ok and found > 0}  # fmt: skip
+        if fault_outputs:
+            row["output_identical"] = fault_outputs[i]
+        rows.append(row)
     clean_landed = landed[: spec.requests]
     return {
         "engine": "vllm-openai-server x2 (prefill, decode), ExampleConnector",

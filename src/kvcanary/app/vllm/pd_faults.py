@@ -13,7 +13,13 @@ Load i (in the order this worker lands requests) gets `fault_schedule[i % len]`:
 * `dropped_block`: the last block's KV is never written (it goes to vLLM's null block 0) while
   the landing is reported complete;
 * `corrupt_bytes`: every landed byte of the first block is changed after the landing (the sign
-  of each value flipped: a transport that corrupts data).
+  of each value flipped: a transport that corrupts data);
+* `bit_flip`: one bit in transit: a seeded bit of one landed block of one layer (any layer,
+  any byte: most lie outside the bytes the canary's fingerprint reads);
+* `late_duplicate`: the previous landing arrives again, late, after its slots were freed and
+  given to this request: its first block's KV (every layer) overwrites this landing's first block;
+* `partial_layers`: the landing stops after layer 0 and is reported complete: every later
+  layer keeps the bytes its blocks held before.
 
 The step metadata (`ReqMeta.slot_mapping`, built by the scheduler from the request's blocks) is
 left as the scheduler made it: these are bugs of the worker-side copy, so the canary, which reads
@@ -25,8 +31,10 @@ with the canary's landing lines.
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
+import safetensors.torch
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
@@ -68,6 +76,7 @@ class PDFaultConnector(ExampleConnector):
             )
         self.schedule = schedule
         self.loads = 0
+        self._previous: Any = None  # the last request this worker landed (late_duplicate)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Land every loading request under its scheduled fault, then restore the metadata."""
@@ -76,26 +85,61 @@ class PDFaultConnector(ExampleConnector):
         if getattr(forward_context, "attn_metadata", None) is None:
             super().start_load_kv(forward_context, **kwargs)
             return
+        caches = [c for c in (getattr(layer, "kv_cache", None)
+                              for layer in forward_context.no_compile_layers.values())
+                  if isinstance(c, torch.Tensor) and c.dim() == 4]  # fmt: skip
         intended = [r.slot_mapping for r in meta.requests]
-        corrupt: list[torch.Tensor] = []
-        for req in meta.requests:
-            if req.is_store or len(req.slot_mapping) == 0:
+        after: list[tuple[str, Any, torch.Tensor]] = []  # (fault, request, intended slots)
+        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # partial_layers
+        for req, slots in zip(meta.requests, intended, strict=True):
+            if req.is_store or len(slots) == 0:
                 continue
             fault = self.schedule[self.loads % len(self.schedule)]
             logger.warning("kvcanary-pd-fault: load=%d fault=%s slots=%d", self.loads, fault,
-                           len(req.slot_mapping))  # fmt: skip
+                           len(slots))  # fmt: skip
             self.loads += 1
-            req.slot_mapping = faulty_slot_mapping(req.slot_mapping, fault, self._block_size)
-            if fault == "corrupt_bytes":
-                corrupt.append(intended[meta.requests.index(req)][: self._block_size])
+            req.slot_mapping = faulty_slot_mapping(slots, fault, self._block_size)
+            blocks = torch.unique(slots // self._block_size)
+            if fault == "partial_layers":
+                kept.extend((cache, blocks, cache[blocks].clone()) for cache in caches[1:])
+            elif fault in ("corrupt_bytes", "bit_flip", "late_duplicate"):
+                after.append((fault, req, slots))
         try:
             super().start_load_kv(forward_context, **kwargs)
         finally:
             for req, slots in zip(meta.requests, intended, strict=True):
                 req.slot_mapping = slots
-        for slots in corrupt:
-            blocks = torch.unique(slots // self._block_size)
-            for layer in forward_context.no_compile_layers.values():
+        for cache, blocks, old in kept:  # the layers the stopped transfer never reached
+            cache[blocks] = old
+        for fault, req, slots in after:
+            self._damage(fault, req, slots, caches, forward_context)
+        for req in meta.requests:
+            if not req.is_store and len(req.slot_mapping):
+                self._previous = req
+
+    def _damage(self, fault: str, req: Any, slots: torch.Tensor, caches: list[torch.Tensor],
+                forward_context: Any) -> None:  # fmt: skip
+        bs = self._block_size
+        first = slots[:bs] // bs
+        if fault == "corrupt_bytes":
+            for cache in caches:
+                cache[first] = -cache[first]
+        elif fault == "bit_flip":
+            rng = random.Random(self.loads)
+            cache = caches[rng.randrange(len(caches))].view(torch.uint8)
+            block = int(slots[rng.randrange(len(slots) // bs) * bs]) // bs
+            index = (block, *(rng.randrange(n) for n in cache.shape[1:]))
+            cache[index] ^= 1 << rng.randrange(8)
+        elif fault == "late_duplicate":
+            prev = self._previous
+            if prev is None:
+                logger.warning("kvcanary-pd-fault: no earlier landing to duplicate")
+                return
+            layers = forward_context.no_compile_layers
+            for name, layer in layers.items():
                 cache = getattr(layer, "kv_cache", None)
-                if isinstance(cache, torch.Tensor) and cache.dim() >= 2:
-                    cache[blocks] = -cache[blocks]
+                if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+                    continue
+                path = self._generate_filename_debug(name, prev.token_ids, prev.mm_hashes)
+                old = safetensors.torch.load_file(path)["kv_cache"][:bs]
+                cache[slots[:bs] // bs, :, slots[:bs] % bs] = old.to(cache.dtype)
