@@ -131,7 +131,16 @@ def vllm(
             "--disaggregate",
             help="two OpenAI servers as prefill and decode over ExampleConnector's shared "
             "storage, the canary's records riding the KV; --faults: wrong_slots, dropped_block, "
-            "corrupt_bytes",
+            "corrupt_bytes, bit_flip, late_duplicate, partial_layers",
+        ),
+    ] = False,
+    offload: Annotated[
+        bool,
+        typer.Option(
+            "--offload",
+            help="one OpenAI server with vLLM's OffloadingConnector and the canary's CPU "
+            "offloading spec (host tier), stamps riding every store and restore; --requests: "
+            "rounds; --faults: wrong_page, bit_flip, lost_store",
         ),
     ] = False,
     concurrency: Annotated[int, typer.Option(help="requests in flight with --serve")] = 16,
@@ -177,9 +186,13 @@ def vllm(
     if model is not None and not (model / "config.json").is_file():
         raise BadInput(f"--model {model} has no config.json; pass a local model directory or "
                        "--tiny")  # fmt: skip
+    from kvcanary.app.vllm.offload_campaign import OFFLOAD_FAULTS, OffloadSpec
     from kvcanary.app.vllm.pd_campaign import PD_FAULTS, PDSpec
 
-    modes = _names(faults, PD_FAULTS if disaggregate else VLLM_FAULT_MODES)
+    if disaggregate and offload:
+        raise BadInput("--disaggregate and --offload are separate campaigns; pass one of them")
+    known = PD_FAULTS if disaggregate else OFFLOAD_FAULTS[1:] if offload else VLLM_FAULT_MODES
+    modes = _names(faults, known)
     try:
         if verify_tokens:
             os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
@@ -188,10 +201,13 @@ def vllm(
         config = _canary_config(kv_canary, kv_canary_real_data, kv_canary_sweep_interval)
         n_req = requests if requests is not None else (64 if modes else 200)
         n_tok = max_tokens if max_tokens is not None else (32 if modes else 64)
+        if offload:
+            offload_spec = OffloadSpec(rounds=requests if requests is not None else 20,
+                                       faults=modes, seeds=seeds, first_seed=first_seed)  # fmt: skip
         if disaggregate:
             pd_spec = PDSpec(requests=requests if requests is not None else 100, faults=modes,
                              seeds=seeds, first_seed=first_seed, mode=config.mode.value)  # fmt: skip
-        else:
+        elif not offload:
             spec = VllmCampaignSpec(modes=modes, seeds=seeds, first_seed=first_seed,
                                     requests=n_req, max_tokens=n_tok,
                                     sweep_interval=kv_canary_sweep_interval)  # fmt: skip
@@ -208,6 +224,9 @@ def vllm(
         if disaggregate and (serve or config.mode.value not in ("log", "raise", "recover")):
             raise BadInput("--disaggregate runs its own two servers with --kv-canary log, "
                            "raise or recover; drop --serve / pass --kv-canary log")  # fmt: skip
+        if offload and (serve or config.mode.value not in ("log", "raise")):
+            raise BadInput("--offload runs its own server with --kv-canary log or raise; drop "
+                           "--serve / pass --kv-canary log")  # fmt: skip
         if modes and serve:
             raise BadInput("--faults and --serve do not combine (the campaign drives vLLM's "
                            "LLM engine); drop one of them")  # fmt: skip
@@ -236,6 +255,11 @@ def vllm(
         max_num_batched_tokens=max_num_batched_tokens, seed=seed, dtype=dtype,
         tensor_parallel_size=tensor_parallel_size,
     )  # fmt: skip
+    if offload:
+        from kvcanary.cli.vllm_pd import run_offloaded
+
+        run_offloaded(settings, offload_spec, json_path)
+        return
     if disaggregate:
         from kvcanary.cli.vllm_pd import run_disaggregated
 

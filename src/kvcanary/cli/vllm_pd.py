@@ -1,4 +1,5 @@
-"""`kvcanary vllm --disaggregate`: the real vLLM prefill -> decode pair (app.vllm.pd_campaign)
+"""`kvcanary vllm --disaggregate` (the real vLLM prefill -> decode pair, app.vllm.pd_campaign) and
+`kvcanary vllm --offload` (the host tier, app.vllm.offload_campaign)
 behind a progress bar, a table per fault and the exit status."""
 
 from __future__ import annotations
@@ -65,4 +66,44 @@ def run_disaggregated(settings: Any, spec: Any, json_path: Path | None) -> None:
         typer.echo(f"kvcanary vllm --disaggregate: not clean or not caught{first}; replay with "
                    f"--disaggregate --first-seed {missed[0]['seed'] if missed else spec.first_seed}"
                    f" --seeds 1; decode log {figures['decode_log']}", err=True)  # fmt: skip
+        raise typer.Exit(EXIT_VIOLATIONS)
+
+
+def run_offloaded(settings: Any, spec: Any, json_path: Path | None) -> None:
+    """Run the host-tier campaign; exit 1 when a clean round was not clean (a violation, a
+    repeat that differs, a restore without stamps, a failed request) or a fault was missed."""
+    from kvcanary.app.vllm.offload_campaign import run_offload_campaign
+
+    work = Path(tempfile.mkdtemp(prefix="kvcanary-vllm-offload-"))
+    err_console.print(f"starting a vLLM OpenAI server with the host offload tier on "
+                      f"127.0.0.1; log in {work} ...", markup=False)  # fmt: skip
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console) as bar:  # fmt: skip
+        task = bar.add_task("offload rounds", total=spec.rounds + spec.seeds * len(spec.faults))
+        figures = run_offload_campaign(settings, spec, work, tick=lambda: bar.advance(task))
+    rows = figures.pop("rows")
+    if rows:
+        table = Table(title="host-tier faults (caught at the restore / restores)")
+        for col in ("fault", "caught", "restore violations (min-max)"):
+            table.add_column(col)
+        by: dict[str, list[int]] = {}
+        for r in rows:
+            by.setdefault(r["fault"], []).append(r["restore_violations"])
+        for fault, found in by.items():
+            table.add_row(fault, f"{sum(v > 0 for v in found)}/{len(found)}",
+                          f"{min(found)}-{max(found)}")  # fmt: skip
+        Console().print(table)
+    print_summary("kvcanary vllm --offload", figures, None)
+    if json_path is not None:
+        import json
+
+        json_path.write_text(json.dumps({**figures, "rows": rows}, indent=2) + "\n")
+    clean_ok = (figures["clean_violations"] == 0 and figures["requests_failed"] == 0
+                and figures["repeats_identical"] == figures["clean_rounds"]
+                and figures["clean_restores"] >= figures["clean_rounds"]
+                and figures["clean_restores_stamped"] == figures["clean_restores"])  # fmt: skip
+    caught = figures["faults_caught"] == figures["fault_restores"] == figures["fault_cases"]
+    if not clean_ok or not caught or not figures["still_serving"]:
+        typer.echo(f"kvcanary vllm --offload: not clean or not caught; replay with --offload "
+                   f"--first-seed {spec.first_seed}; log {figures['log']}", err=True)  # fmt: skip
         raise typer.Exit(EXIT_VIOLATIONS)

@@ -27,12 +27,11 @@ from typing import Any
 import torch
 
 from kvcanary.adapters.vllm.offload import CanaryCPUOffloadingSpec, CanaryOffloadingWorker
+from kvcanary.app.vllm.offload_campaign import OFFLOAD_FAULTS
 
 __all__ = ["OFFLOAD_FAULTS", "OffloadFaultSpec", "OffloadFaultWorker"]
 
 logger = logging.getLogger("kvcanary")
-
-OFFLOAD_FAULTS = ("none", "wrong_page", "bit_flip", "lost_store")
 
 
 class OffloadFaultWorker(CanaryOffloadingWorker):
