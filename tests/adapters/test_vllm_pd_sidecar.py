@@ -19,7 +19,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from kvcanary.adapters.vllm.pd_sidecar import SIDECAR_FILE
 from kvcanary.app.vllm.engine import VllmSettings
 from kvcanary.app.vllm.model import ensure_tiny_llama
 from kvcanary.app.vllm.pd_campaign import FAULTS
-from kvcanary.app.vllm.server import VllmServer, drive, kvcanary_series, scrape
+from kvcanary.app.vllm.server import VllmServer, drive, kvcanary_series, scrape, start_all
 from kvcanary.app.vllm.workload import VllmRequest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -62,12 +61,7 @@ def test_pd_pair_lands_verified_kv_and_reports_bad_sidecars(tmp_path: Path) -> N
                                   log_path=tmp_path / f"{name}.log")
                        for name in ("prefill", "decode"))  # fmt: skip
     try:
-        starts = [threading.Thread(target=s.start) for s in (prefill, decode)]
-        for t in starts:
-            t.start()
-        for t in starts:
-            t.join()
-        assert prefill.alive() and decode.alive()
+        start_all([prefill, decode])
         clean = _prompts(seed=1, count=4, length=100)
         faulty = _prompts(seed=2, count=3, length=70)
         folder = {}
@@ -129,12 +123,7 @@ def test_fault_connector_landings_are_caught_one_to_one(tmp_path: Path) -> None:
                         log_path=tmp_path / "decode.log")  # fmt: skip
     prompts = _prompts(seed=3, count=2 * len(FAULTS), length=100)
     try:
-        starts = [threading.Thread(target=s.start) for s in (prefill, decode)]
-        for t in starts:
-            t.start()
-        for t in starts:
-            t.join()
-        assert prefill.alive() and decode.alive()
+        start_all([prefill, decode])
         for prompt in prompts:
             assert drive(prefill, [VllmRequest(prompt, 1)])[0].status == 200
         # one landing at a time, so load i of the schedule is request i

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import random
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvcanary.app.vllm.engine import VllmSettings
-from kvcanary.app.vllm.server import VllmServer, drive, kvcanary_series, scrape
+from kvcanary.app.vllm.server import VllmServer, drive, kvcanary_series, scrape, start_all
 from kvcanary.app.vllm.workload import VllmRequest
 
 __all__ = ["FAULTS", "LANDED", "PD_FAULTS", "PDSpec", "pd_prompts", "run_pd_campaign"]
@@ -111,14 +110,7 @@ def run_pd_campaign(settings: VllmSettings, spec: PDSpec, work: Path,
               for i, (seed, _) in enumerate(cases)]  # fmt: skip
     prefill, decode = _servers(settings, spec, work, schedule)
     try:
-        starts = [threading.Thread(target=s.start) for s in (prefill, decode)]
-        for t in starts:
-            t.start()
-        for t in starts:
-            t.join()
-        if not (prefill.alive() and decode.alive()):
-            raise RuntimeError("a vLLM server did not start:\n" + prefill.log_tail()
-                               + "\n" + decode.log_tail())  # fmt: skip
+        start_all([prefill, decode])
         identical = failed = 0
         for prompt in clean:
             drive(prefill, [VllmRequest(prompt, 1)])

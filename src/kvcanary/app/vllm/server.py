@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -173,6 +174,19 @@ def _complete(url: str, model: str, req: VllmRequest, timeout: float) -> HttpRes
         return HttpResult(exc.code, 0, exc.read().decode(errors="replace")[:500])
     except (urllib.error.URLError, OSError) as exc:
         return HttpResult(0, 0, str(exc)[:500])
+
+
+def start_all(servers: Sequence[VllmServer]) -> None:
+    """Start the servers side by side (each start waits minutes for vLLM); raises RuntimeError
+    with the logs' tails when one of them did not come up."""
+    threads = [threading.Thread(target=s.start) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if not all(s.alive() for s in servers):
+        raise RuntimeError("a vLLM server did not start:\n"
+                           + "\n".join(s.log_tail() for s in servers))  # fmt: skip
 
 
 def drive(server: VllmServer, requests: Sequence[VllmRequest], *, concurrency: int = 16,
