@@ -48,7 +48,7 @@ CORES = len(os.sched_getaffinity(0))
         (["--dtype", "int8"], "kvcanary vllm: --dtype must be auto, float32, bfloat16 or float16, got 'int8'; pass e.g. --dtype bfloat16"),
         (["--tensor-parallel-size", "0"], "kvcanary vllm: --tensor-parallel-size must be 1 or more, got 0; pass 1"),
         (["--kv-canary", "recover", "--faults", "all", "--tensor-parallel-size", "2"], "kvcanary vllm: --kv-canary recover --faults is a single-rank campaign (its outcomes are validated on one rank only); got --tensor-parallel-size 2; pass --tensor-parallel-size 1"),
-        (["--disaggregate", "--faults", "bogus"], "kvcanary vllm: --faults: unknown transfer fault 'bogus'; choose from all, none, wrong_slots, dropped_block, corrupt_bytes, bit_flip, late_duplicate, partial_layers"),
+        (["--disaggregate", "--faults", "bogus"], "kvcanary vllm: --faults: unknown transfer fault 'bogus'; choose from all, none, wrong_slots, dropped_block, corrupt_bytes, bit_flip, late_duplicate, partial_layers, partial_save"),
         (["--disaggregate", "--serve"], "kvcanary vllm: --disaggregate runs its own two servers with --kv-canary log, raise or recover; drop --serve / pass --kv-canary log"),
         (["--offload", "--faults", "bogus"], "kvcanary vllm: --faults: unknown host-tier fault 'bogus'; choose from all, none, wrong_page, bit_flip, lost_store"),
         (["--offload", "--disaggregate"], "kvcanary vllm: --disaggregate and --offload are separate campaigns; pass one of them"),

@@ -7,7 +7,8 @@ verified, 0 violations, decode output identical to the prefill engine's own gree
 request's records) are each reported on the decode engine, for that landing only; and the
 fault connector (`kvcanary.app.vllm.pd_faults`, loaded by vLLM through `kv_connector_module_path`)
 breaks landings (wrong slots, a block never written, corrupted bytes, one flipped bit, a late
-duplicate of the previous landing, a landing that stops after layer 0), each caught 1:1; in mode
+duplicate of the previous landing, a landing that stops after layer 0, a save that stops after
+layer 0), each caught 1:1; in mode
 `recover` each bad landing is recomputed for its request only."""
 
 from __future__ import annotations
@@ -111,13 +112,15 @@ def test_fault_connector_landings_are_caught_one_to_one(tmp_path: Path) -> None:
     storage.mkdir()
     settings = VllmSettings(model=ensure_tiny_llama(), dtype="auto", kv_blocks=64,
                             block_size=BLOCK)  # fmt: skip
-    user = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(storage)}}  # fmt: skip
     faulty = {"kv_connector": "PDFaultConnector",
               "kv_connector_module_path": "kvcanary.app.vllm.pd_faults", "kv_role": "kv_both",
               "kv_connector_extra_config": {"shared_storage_path": str(storage),
                                             "fault_schedule": list(FAULTS)}}  # fmt: skip
-    prefill = VllmServer(settings, env={"KVCANARY_MODE": "log"}, transfer_config=user,
+    # the prefill engine's own connector stops the saves scheduled `partial_save` (store i is
+    # prompt i: every prompt is saved once, in order)
+    storing = {**faulty, "kv_connector_extra_config": {"shared_storage_path": str(storage),
+                                                       "save_fault_schedule": list(FAULTS)}}  # fmt: skip
+    prefill = VllmServer(settings, env={"KVCANARY_MODE": "log"}, transfer_config=storing,
                          log_path=tmp_path / "prefill.log")  # fmt: skip
     decode = VllmServer(settings, env={"KVCANARY_MODE": "log"}, transfer_config=faulty,
                         log_path=tmp_path / "decode.log")  # fmt: skip

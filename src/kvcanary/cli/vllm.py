@@ -131,7 +131,7 @@ def vllm(
             "--disaggregate",
             help="two OpenAI servers as prefill and decode over ExampleConnector's shared "
             "storage, the canary's records riding the KV; --faults: wrong_slots, dropped_block, "
-            "corrupt_bytes, bit_flip, late_duplicate, partial_layers",
+            "corrupt_bytes, bit_flip, late_duplicate, partial_layers, partial_save",
         ),
     ] = False,
     offload: Annotated[

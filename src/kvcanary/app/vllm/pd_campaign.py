@@ -42,6 +42,7 @@ FAULTS = (
     "bit_flip",
     "late_duplicate",
     "partial_layers",
+    "partial_save",
 )
 PD_FAULTS = FAULTS[1:]
 
@@ -92,6 +93,9 @@ def _servers(settings: VllmSettings, spec: PDSpec, work: Path,
               "kv_connector_module_path": "kvcanary.app.vllm.pd_faults", "kv_role": "kv_both",
               **policy, "kv_connector_extra_config": {"shared_storage_path": str(storage),
                                                       "fault_schedule": schedule}}  # fmt: skip
+    if "partial_save" in schedule:  # the storing engine's own connector stops its save
+        user = {**faulty, "kv_connector_extra_config": {
+            "shared_storage_path": str(storage), "save_fault_schedule": schedule}}  # fmt: skip
     return (VllmServer(settings, env=env, transfer_config=user, log_path=work / "prefill.log"),
             VllmServer(settings, env=env, transfer_config=faulty, log_path=work / "decode.log"))  # fmt: skip
 
