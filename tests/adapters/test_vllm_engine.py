@@ -52,7 +52,7 @@ CORES = len(os.sched_getaffinity(0))
         (["--disaggregate", "--serve"], "kvcanary vllm: --disaggregate runs its own two servers with --kv-canary log, raise or recover; drop --serve / pass --kv-canary log"),
         (["--offload", "--faults", "bogus"], "kvcanary vllm: --faults: unknown host-tier fault 'bogus'; choose from all, none, wrong_page, bit_flip, lost_store"),
         (["--offload", "--disaggregate"], "kvcanary vllm: --disaggregate and --offload are separate campaigns; pass one of them"),
-        (["--offload", "--kv-canary", "recover"], "kvcanary vllm: --offload runs its own server with --kv-canary log or raise; drop --serve / pass --kv-canary log"),
+        (["--offload", "--serve"], "kvcanary vllm: --offload runs its own server with --kv-canary log, raise or recover; drop --serve / pass --kv-canary log"),
         (["--disaggregate", "--seeds", "0"], "kvcanary vllm: --seeds must be positive, got 0; pass --seeds 1 or more"),
         (["--tensor-parallel-size", str(CORES + 1)], f"kvcanary vllm: --tensor-parallel-size {CORES + 1} needs a CPU core per rank, this machine gives {CORES}; pass --tensor-parallel-size {CORES}"),
     ],

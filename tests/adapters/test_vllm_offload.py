@@ -41,3 +41,22 @@ def test_the_offload_command_round_trips_clean_and_catches_every_fault(tmp_path:
     assert all(r["caught"] for r in doc["rows"])
     assert doc["faults_caught"] == doc["fault_cases"] == len(OFFLOAD_FAULTS) - 1
     assert "host-tier faults (caught at the restore / restores)" in result.stdout
+
+
+def test_recover_mode_recomputes_a_bad_restore(tmp_path: Path) -> None:
+    # a restore whose checksum differs is a vLLM load error of the waiting request (the user's
+    # kv_load_failure_policy=recompute): it recomputes, so its repeat gets the first's tokens
+    out = tmp_path / "offload.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcanary.cli", "vllm", "--offload", "--kv-canary", "recover",
+         "--requests", "2", "--faults", "all", "--seeds", "1", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=1200,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["repeats_identical"] == 2 and doc["clean_violations"] == 0
+    assert doc["requests_failed"] == 0 and doc["still_serving"]
+    assert [(r["fault"], r["caught"], r["output_identical"]) for r in doc["rows"]] == [
+        (f, True, True) for f in OFFLOAD_FAULTS[1:]
+    ]

@@ -203,7 +203,8 @@ def vllm(
         n_tok = max_tokens if max_tokens is not None else (32 if modes else 64)
         if offload:
             offload_spec = OffloadSpec(rounds=requests if requests is not None else 20,
-                                       faults=modes, seeds=seeds, first_seed=first_seed)  # fmt: skip
+                                       faults=modes, seeds=seeds, first_seed=first_seed,
+                                       mode=config.mode.value)  # fmt: skip
         if disaggregate:
             pd_spec = PDSpec(requests=requests if requests is not None else 100, faults=modes,
                              seeds=seeds, first_seed=first_seed, mode=config.mode.value)  # fmt: skip
@@ -224,9 +225,9 @@ def vllm(
         if disaggregate and (serve or config.mode.value not in ("log", "raise", "recover")):
             raise BadInput("--disaggregate runs its own two servers with --kv-canary log, "
                            "raise or recover; drop --serve / pass --kv-canary log")  # fmt: skip
-        if offload and (serve or config.mode.value not in ("log", "raise")):
-            raise BadInput("--offload runs its own server with --kv-canary log or raise; drop "
-                           "--serve / pass --kv-canary log")  # fmt: skip
+        if offload and (serve or config.mode.value not in ("log", "raise", "recover")):
+            raise BadInput("--offload runs its own server with --kv-canary log, raise or "
+                           "recover; drop --serve / pass --kv-canary log")  # fmt: skip
         if modes and serve:
             raise BadInput("--faults and --serve do not combine (the campaign drives vLLM's "
                            "LLM engine); drop one of them")  # fmt: skip

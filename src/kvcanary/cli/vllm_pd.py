@@ -83,15 +83,20 @@ def run_offloaded(settings: Any, spec: Any, json_path: Path | None) -> None:
         figures = run_offload_campaign(settings, spec, work, tick=lambda: bar.advance(task))
     rows = figures.pop("rows")
     if rows:
+        recover = "output_identical" in rows[0]
         table = Table(title="host-tier faults (caught at the restore / restores)")
-        for col in ("fault", "caught", "restore violations (min-max)"):
+        for col in ("fault", "caught", "restore violations (min-max)",
+                    *(("output identical",) if recover else ())):  # fmt: skip
             table.add_column(col)
-        by: dict[str, list[int]] = {}
+        by: dict[str, list[dict[str, Any]]] = {}
         for r in rows:
-            by.setdefault(r["fault"], []).append(r["restore_violations"])
-        for fault, found in by.items():
+            by.setdefault(r["fault"], []).append(r)
+        for fault, rs in by.items():
+            found = [r["restore_violations"] for r in rs]
+            same = sum(bool(r.get("output_identical")) for r in rs)
             table.add_row(fault, f"{sum(v > 0 for v in found)}/{len(found)}",
-                          f"{min(found)}-{max(found)}")  # fmt: skip
+                          f"{min(found)}-{max(found)}",
+                          *((f"{same}/{len(rs)}",) if recover else ()))  # fmt: skip
         Console().print(table)
     print_summary("kvcanary vllm --offload", figures, None)
     if json_path is not None:
@@ -103,6 +108,7 @@ def run_offloaded(settings: Any, spec: Any, json_path: Path | None) -> None:
                 and figures["clean_restores"] >= figures["clean_rounds"]
                 and figures["clean_restores_stamped"] == figures["clean_restores"])  # fmt: skip
     caught = figures["faults_caught"] == figures["fault_restores"] == figures["fault_cases"]
+    caught = caught and all(r.get("output_identical", True) for r in rows)
     if not clean_ok or not caught or not figures["still_serving"]:
         typer.echo(f"kvcanary vllm --offload: not clean or not caught; replay with --offload "
                    f"--first-seed {spec.first_seed}; log {figures['log']}", err=True)  # fmt: skip

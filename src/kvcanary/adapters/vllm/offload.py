@@ -12,7 +12,9 @@ with torch (on vLLM's CPU platform the device cache is host memory too) and mirr
   of the bytes that actually landed is compared with the stored one (a mismatch is a violation
   at each slot of the block). The records themselves are then verified by HEAD and TAIL of the
   first forward that reads the blocks, like every cached position (chain into the request's
-  own prefix, position, token, layer-0 fingerprint).
+  own prefix, position, token, layer-0 fingerprint). In mode `recover` a block whose checksum
+  differs goes to vLLM as a load error (`get_block_ids_with_load_errors` of the canary's
+  connector): the request, still waiting for its KV, recomputes from that block.
 
 Configuration (the user's own connector; the plugin's `KVCANARY_MODE` shortcut adds the canary):
 
@@ -53,13 +55,19 @@ logger = logging.getLogger("kvcanary")
 I64 = npt.NDArray[np.int64]
 
 
-def _canary_worker() -> Any | None:
-    """The canary worker of this process (None: no canary installed here)."""
+def _canary_connector() -> Any | None:
+    """The canary connector of this process whose canary is installed (None: no canary here)."""
     for connector in STATE.live_connectors():
         worker = getattr(connector, "worker", None)
         if worker is not None and worker.canary is not None:
-            return worker
+            return connector
     return None
+
+
+def _canary_worker() -> Any | None:
+    """The canary worker of this process (None: no canary installed here)."""
+    connector = _canary_connector()
+    return connector.worker if connector is not None else None
 
 
 class HostPage:
@@ -170,9 +178,10 @@ class CanaryOffloadingWorker(OffloadingWorker):
     def _stamp_in(self, blocks: I64, rows: I64, first: int) -> None:
         from kvcanary.canary import CanarySidecars
 
-        worker = _canary_worker()
-        if worker is None:
+        connector = _canary_connector()
+        if connector is None:
             return
+        worker = connector.worker
         sidecars, bs = CanarySidecars(worker.canary), worker.block_size
         pages = [self.pages.get(row) for row in rows.tolist()]
         landed = block_checksums(self.device, blocks)
@@ -183,9 +192,14 @@ class CanaryOffloadingWorker(OffloadingWorker):
                 continue  # stored before the canary ran: HEAD reports the old records
             sidecars.import_sidecars(records=page.records, slots=slots)
             positions = list(range((first + j) * bs, (first + j + 1) * bs))
-            bad += sidecars.report_landed_bytes(group="full", slots=slots, positions=positions,
-                                                landed=[int(landed[j])] * bs,
-                                                expected=[page.checksum] * bs)  # fmt: skip
+            found = sidecars.report_landed_bytes(group="full", slots=slots, positions=positions,
+                                                 landed=[int(landed[j])] * bs,
+                                                 expected=[page.checksum] * bs)  # fmt: skip
+            bad += found
+            if found and worker.config.recover:
+                # vLLM's load-error path: the waiting request recomputes from this block
+                # (kv_load_failure_policy=recompute) instead of reading what landed
+                connector.invalid_block_ids.add(int(block))
         mirror = worker.sources.mirror if worker.sources is not None else None
         if mirror is not None:  # TAIL's fingerprint must read the bytes that just landed
             mirror.refresh(np.unique(blocks))

@@ -17,6 +17,7 @@ Scheduler half (`SchedulerRecovery`), on the scheduler instance the connector is
 | `_handle_invalid_blocks` (vLLM) | drops the step's tokens of every request holding a reported block in its computed prefix and truncates (`recompute`) or fails (`fail`) them |
 | our wrapper around it | every damaged request joins the skip set (also one vLLM's prefix rule misses: a TAIL failure in a block written this step, or a first prefill chunk); its blocks from the first bad one on leave the prefix cache; it is preempted, so it resumes into freshly allocated blocks (vLLM's recompute would rewrite the block in place, and in the stale-prefix class that block belongs to another request); past the retry budget (or under `fail`) it ends with `finish_reason` `error` |
 | SWEEP blocks | evicted with every ledger descendant |
+| an async load vLLM's own rule marks failed (a host-tier restore the canary rejected) | the request retries with `skip_reading_prefix_cache`: it recomputes instead of loading the same pages again |
 
 So no token sampled in a forward whose HEAD or TAIL failed for a request reaches the client,
 the request never writes into a block it was wrongly handed, and a bug that keeps corrupting ends
@@ -203,7 +204,14 @@ class SchedulerRecovery:
         def _handle_invalid_blocks(invalid_block_ids: set[int],
                                    num_scheduled_tokens: dict[str, int]) -> set[str]:  # fmt: skip
             before = {rid: int(r.num_computed_tokens) for rid, r in scheduler.requests.items()}
+            waiting_failed = set(getattr(scheduler, "failed_recving_kv_req_ids", ()))
             skip = set(handle(invalid_block_ids, num_scheduled_tokens))
+            # an async load (host tier) that failed its verify: vLLM retries the request from
+            # its first bad block; it must recompute, not read the same tier again
+            for rid in set(getattr(scheduler, "failed_recving_kv_req_ids", ())) - waiting_failed:
+                req = scheduler.requests.get(rid)
+                if req is not None:
+                    req.skip_reading_prefix_cache = True
             if self._pending is not None:
                 damage = self._pending.damage
                 damage = damage + self._tainted(damage, before, num_scheduled_tokens)

@@ -8,7 +8,9 @@ prompts run and a repeat of the prompt restores them from the host tier. A round
 must equal the first's and every restore must carry its stamps and verify clean. Fault rounds:
 the spec is `OffloadFaultSpec` with a schedule that is `none` for the clean rounds, then each
 host-tier fault per seed; each restore line of the canary is correlated 1:1 with the fault
-journal line of the same load.
+journal line of the same load. In mode `recover` (the user's `kv_load_failure_policy=recompute`)
+a fault round's repeat must also get the first's tokens: the bad restore is a vLLM load error
+and the request recomputes instead of reading it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class OffloadSpec:
     seeds: int = 10
     first_seed: int = 0
     max_tokens: int = 8
+    mode: str = "log"
 
     def __post_init__(self) -> None:
         bad = [f for f in self.faults if f not in OFFLOAD_FAULTS[1:]]
@@ -67,7 +70,9 @@ def offload_server(settings: VllmSettings, work: Path, schedule: list[str] | Non
     else:
         spec = {"spec_name": "OffloadFaultSpec",
                 "spec_module_path": "kvcanary.app.vllm.offload_faults", "fault_schedule": schedule}  # fmt: skip
-    user = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    # recover: the user asks vLLM to recompute a failed load (its default fails the request)
+    policy = {"kv_load_failure_policy": "recompute"} if mode == "recover" else {}
+    user = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", **policy,
             "kv_connector_extra_config": {**spec, "cpu_bytes_to_use": 64 << 20}}  # fmt: skip
     sized = dataclasses.replace(settings, kv_blocks=DEVICE_BLOCKS,
                                 max_num_batched_tokens=max(settings.max_num_batched_tokens, 256))  # fmt: skip
@@ -93,7 +98,8 @@ def run_offload_campaign(settings: VllmSettings, spec: OffloadSpec, work: Path,
     cases = [(seed, f) for seed in range(spec.first_seed, spec.first_seed + spec.seeds)
              for f in spec.faults]  # fmt: skip
     schedule = ["none"] * spec.rounds + [f for _, f in cases]
-    server = offload_server(settings, work, schedule if cases else None)
+    server = offload_server(settings, work, schedule if cases else None, spec.mode)
+    fault_outputs: list[bool] = []
     identical = failed = 0
     try:
         server.start()
@@ -106,6 +112,8 @@ def run_offload_campaign(settings: VllmSettings, spec: OffloadSpec, work: Path,
         for i, (seed, _) in enumerate(cases):
             first, again = offload_round(server, 100_000 + seed * 97 + i, spec.max_tokens)
             failed += (first.status != 200) + (again.status != 200)
+            # recover: the bad restore recomputed, so the repeat gets the first's tokens
+            fault_outputs.append(again.status == 200 and again.output_ids == first.output_ids)
             tick()
         served = server.alive()
     finally:
@@ -114,11 +122,14 @@ def run_offload_campaign(settings: VllmSettings, spec: OffloadSpec, work: Path,
     restores = RESTORED.findall(log)
     journal = _JOURNAL.findall(log) if cases else [("", "none", "")] * len(restores)
     clean = [r for (_, f, _), r in zip(journal, restores, strict=False) if f == "none"]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for (_, fault, _), (_, _, found) in zip(journal, restores, strict=False):
         if fault != "none":
             rows.append({"fault": fault, "restore_violations": int(found),
                          "caught": int(found) > 0})  # fmt: skip
+    if spec.mode == "recover":
+        for row, same in zip(rows, fault_outputs, strict=False):
+            row["output_identical"] = same
     return {
         "engine": "vllm-openai-server, OffloadingConnector + CanaryCPUOffloadingSpec",
         "dtype": server.chosen_dtype() or settings.dtype,
