@@ -6,6 +6,7 @@ four real-KV sources of different layouts, verify overflow and a filling ring.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,11 @@ from kvcanary.canary.config import RealDataMode
 from kvcanary.canary.kernels import fast, reference
 from kvcanary.canary.sources import FoldSources
 from kvcanary.contract import RealKvSource
+
+#: the fast kernels' one-thread twins, under the names `run` calls
+FAST_SERIAL = SimpleNamespace(
+    build_plan=fast.build_plan, verify=fast.verify_serial, write=fast.write_serial
+)
 
 
 @st.composite
@@ -140,7 +146,9 @@ def run(kernels: Any, b: dict[str, Any]) -> dict[str, Any]:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_fast_and_reference_kernels_are_byte_equal(b: dict[str, Any]) -> None:
-    assert run(fast, b) == run(reference, b)
+    expected = run(reference, b)
+    assert run(fast, b) == expected
+    assert run(FAST_SERIAL, b) == expected
 
 
 def test_generator_reaches_the_interesting_cases() -> None:
@@ -256,4 +264,6 @@ def run_chains(kernels: Any, b: dict[str, Any]) -> tuple[bytes, bytes, int]:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chain_runs())
 def test_fast_and_reference_kernels_agree_on_consecutive_runs(b: dict[str, Any]) -> None:
-    assert run_chains(fast, b) == run_chains(reference, b)
+    expected = run_chains(reference, b)
+    assert run_chains(fast, b) == expected
+    assert run_chains(FAST_SERIAL, b) == expected

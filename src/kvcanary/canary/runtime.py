@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
-import numba
 import numpy as np
 import numpy.typing as npt
 
@@ -37,34 +36,19 @@ __all__ = ["Canary"]
 logger = logging.getLogger("kvcanary")
 _NO_TOKENS = np.full(0, -1, dtype=np.int64)
 
-#: A stage with fewer verify + write entries than this runs its kernels on one thread: waking
-#: the thread pool costs more than such a launch's work, and when another process holds a core
-#: the launch waits a scheduler time slice for it (milliseconds per launch on a busy machine).
+#: A stage with fewer verify + write entries than this runs the kernels' one-thread twins
+#: (`verify_serial`, `write_serial`): waking numba's thread pool costs more than such a launch's
+#: work, and a pool thread may wait a scheduler time slice for a core (another process, or an
+#: engine's OpenMP threads spinning after its forward: milliseconds per launch in vLLM).
 SERIAL_LAUNCH_ENTRIES = 4096
 
 
-class _LaunchThreads:
-    """Run the kernels launched inside on one thread when `entries` is below the threshold.
+@dataclass(frozen=True, slots=True)
+class _Kernels:
+    """The verify and write kernels one launch uses: the parallel ones or their serial twins."""
 
-    A class rather than a generator context manager: it is entered a few times per forward."""
-
-    __slots__ = ("_before", "_entries")
-
-    def __init__(self, entries: int) -> None:
-        self._entries = entries
-        self._before = 0  # 0: the thread count was left alone
-
-    def __enter__(self) -> None:
-        if self._entries >= SERIAL_LAUNCH_ENTRIES:
-            return
-        before = int(numba.get_num_threads())
-        if before != 1:
-            numba.set_num_threads(1)
-            self._before = before
-
-    def __exit__(self, *exc: object) -> None:
-        if self._before:
-            numba.set_num_threads(self._before)
+    verify: Callable[..., None]
+    write: Callable[..., None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +94,8 @@ class Canary:
         self.token_oracle = token_oracle
         self._kernels: ModuleType = KERNEL_IMPLEMENTATIONS[kernels]
         self._perturb = perturb
+        self._threaded = _Kernels(self._kernels.verify, self._kernels.write)
+        self._serial = _Kernels(self._kernels.verify_serial, self._kernels.write_serial)
         ordered = sorted(groups, key=lambda g: g.kind is GroupKind.SWA)
         self.groups = tuple(
             GroupBuffers(g, real_data=config.real_data, enable_v=config.enable_v) for g in ordered
@@ -250,21 +236,21 @@ class Canary:
         if self._open is not None:
             raise CanaryContractError("kv-canary: verify of landed slots while a forward is open")
         g = self.group(group)
-        with _LaunchThreads(len(slots)):
-            for stage in ("head", "tail"):
-                for half in g.halves:
-                    tag = self._tags[stage, half, g.name]
-                    rows = self._verify(
-                        tag, g.words(stage, half),
-                        g.stage_sources(stage, half), slots, prevs, positions, tokens,
+        kernels = self._kernels_for(len(slots))
+        for stage in ("head", "tail"):
+            for half in g.halves:
+                tag = self._tags[stage, half, g.name]
+                rows = self._verify(
+                    kernels, tag, g.words(stage, half), g.stage_sources(stage, half), slots,
+                    prevs, positions, tokens,
+                )  # fmt: skip
+                if len(rows) and self.config.recover:
+                    # a landed slot belongs to no view row: a slot-only incident, like SWEEP
+                    self._incidents.sweep_pass(
+                        tag=int(tag), step=self.step, rows=rows,
+                        walked=np.stack([slots, positions, prevs], axis=1), group_slots=slots,
+                        stage=stage,
                     )  # fmt: skip
-                    if len(rows) and self.config.recover:
-                        # a landed slot belongs to no view row: a slot-only incident, like SWEEP
-                        self._incidents.sweep_pass(
-                            tag=int(tag), step=self.step, rows=rows,
-                            walked=np.stack([slots, positions, prevs], axis=1), group_slots=slots,
-                            stage=stage,
-                        )  # fmt: skip
         self._pump()
 
     def record_landed_bytes(
@@ -358,10 +344,7 @@ class Canary:
         entries = 0
         for p in plans.values():
             entries += len(p.v_slot) + len(p.w_slots)
-        with _LaunchThreads(entries):
-            self._launch_stage(stage, snap, plans)
-
-    def _launch_stage(self, stage: str, snap: ViewSnapshot, plans: dict[str, GroupPlan]) -> None:
+        kernels = self._kernels_for(entries)
         chain_position = self.chain_position_assert_enabled and snap.linear_chain
         recover = self.config.recover
         scratch = self._pass_rows
@@ -369,7 +352,7 @@ class Canary:
             plan = plans[g.name]
             if not plan.overflow:
                 rows = self._verify(
-                    tag, words, src, plan.v_slot, plan.v_prev, plan.v_pos, plan.v_tok
+                    kernels, tag, words, src, plan.v_slot, plan.v_prev, plan.v_pos, plan.v_tok
                 )
                 if recover and len(rows):
                     self._incidents.verify_pass(
@@ -379,7 +362,7 @@ class Canary:
             else:
                 self.kernel_run_counter[tag] += 1
             scratch.prepare(2 * len(plan.w_slots))  # write-input + chain-position per entry
-            self._kernels.write(
+            kernels.write(
                 words, plan.seeds, plan.req_offsets, plan.w_slots, plan.shadowed, snap.input_ids,
                 snap.positions, snap.write_assert, snap.expected_tokens,
                 snap.expected_positions, chain_position, *src.words, src.params, src.count,
@@ -395,8 +378,13 @@ class Canary:
             self.kernel_run_counter[tag] += 1
             self.slot_run_counter[tag] += plan.num_writes
 
+    def _kernels_for(self, entries: int) -> _Kernels:
+        """The kernels for a launch of `entries` verify + write entries."""
+        return self._serial if entries < SERIAL_LAUNCH_ENTRIES else self._threaded
+
     def _verify(
         self,
+        kernels: _Kernels,
         tag: LaunchTag,
         words: npt.NDArray[np.uint64],
         src: FoldSources,
@@ -408,7 +396,7 @@ class Canary:
         """One verify pass; returns its rows (also appended to the ring)."""
         scratch = self._pass_rows
         scratch.prepare(len(slots))  # at most one row per entry
-        self._kernels.verify(
+        kernels.verify(
             words, slots, prevs, positions, tokens, *src.words, src.params, src.count,
             int(tag), scratch.words, scratch.state,
         )  # fmt: skip
@@ -422,8 +410,7 @@ class Canary:
     def _sweep(self) -> None:
         assert self._walker is not None
         walked = walker_entries(self._walker)  # range-checked per group by translate
-        with _LaunchThreads(len(walked)):
-            self._sweep_groups(walked)
+        self._sweep_groups(walked)
         self.sweep_passes += 1
         self._last_sweep_step = self.step
         logger.info(
@@ -431,6 +418,7 @@ class Canary:
         )
 
     def _sweep_groups(self, walked: npt.NDArray[np.int64]) -> None:
+        kernels = self._kernels_for(len(walked))
         for g in self.groups:
             slots = g.translate(walked[:, 0].copy(), allow_none=False)
             prevs = g.translate(walked[:, 2].copy())
@@ -439,7 +427,7 @@ class Canary:
             for half in g.halves:
                 tag = self._tags["sweep", half, g.name]
                 rows = self._verify(
-                    tag, g.words("sweep", half), g.stage_sources("sweep", half),
+                    kernels, tag, g.words("sweep", half), g.stage_sources("sweep", half),
                     slots, prevs, walked[:, 1].copy(), tokens,
                 )  # fmt: skip
                 if len(rows) and self.config.recover:

@@ -89,6 +89,8 @@ class CanaryWorker:
     def __init__(self, runner: Any, config: CanaryConfig, hooks: Any = None) -> None:
         self.runner = runner
         self.config = config
+        self._hooks: Any = None
+        self._runner_hooks: RunnerHooks | None = None
         self.hooks = hooks
         self.canary: Canary | None = None
         self.layout: TokenByteMap | None = None
@@ -107,6 +109,17 @@ class CanaryWorker:
         self._last_checks = 0
         self._dropped_seen: Counter[tuple[str, str]] = Counter()
         self.last_request_ids: list[str] = []
+
+    @property
+    def hooks(self) -> Any:
+        """The driver's fault injector (None in production)."""
+        return self._hooks
+
+    @hooks.setter
+    def hooks(self, hooks: Any) -> None:
+        self._hooks = hooks
+        # decided once: a runtime Protocol check costs tens of microseconds per forward
+        self._runner_hooks = hooks if isinstance(hooks, RunnerHooks) else None
 
     # ------------------------------------------------------------------ install
     def install(self, kv_caches: Mapping[str, torch.Tensor]) -> Canary | None:
@@ -229,8 +242,8 @@ class CanaryWorker:
             for later in waves[1:]:  # rows that hit prefix blocks written by this forward
                 canary.pre_forward(view=later)
                 canary.post_forward(view=later)
-            if isinstance(self.hooks, RunnerHooks):
-                self.hooks.after_forward(runner=self.runner, step=canary.step)
+            if self._runner_hooks is not None:
+                self._runner_hooks.after_forward(runner=self.runner, step=canary.step)
             self.walker.snapshot = snapshot
             if snapshot is not None and mirror is not None and canary.sweep_due:
                 mirror.refresh(snapshot.rows[:, 0])  # a snapshot names each block once

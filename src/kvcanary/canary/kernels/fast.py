@@ -14,6 +14,11 @@ This module is the facade; the kernels live in one module per concept:
 * `fast_write_lanes`: the per-entry steps of a write chain, four-lane lockstep, the in-order writer;
 * `fast_write`: `write`, its parallel chain tasks and the ring replay.
 
+`verify_serial` and `write_serial` are the two parallel kernels compiled without threads,
+byte-equal to them: the runtime launches them for small stages (a decode step), where waking the
+thread pool, or waiting for a pool thread that other threads keep off a core, costs more than
+the work.
+
 Performance (bench/kernels.py): each module's docstring notes what its kernel does for speed.
 Each kernel is one parallel region (a thread barrier): a barrier waits for every worker thread,
 which is slow whenever another process holds a core, so no np.zeros (numba runs it as a parallel
@@ -24,8 +29,8 @@ from __future__ import annotations
 
 from kvcanary.canary.kernels._intrinsics import HEAD_HASH_U64, fold_sources, mix3, splitmix64
 from kvcanary.canary.kernels.fast_plan import build_plan
-from kvcanary.canary.kernels.fast_verify import verify
-from kvcanary.canary.kernels.fast_write import write
+from kvcanary.canary.kernels.fast_verify import verify, verify_serial
+from kvcanary.canary.kernels.fast_write import write, write_serial
 
 __all__ = [
     "HEAD_HASH_U64",
@@ -34,5 +39,7 @@ __all__ = [
     "mix3",
     "splitmix64",
     "verify",
+    "verify_serial",
     "write",
+    "write_serial",
 ]

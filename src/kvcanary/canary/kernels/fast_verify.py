@@ -205,30 +205,21 @@ def _folded_chunk(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, cou
     return bad
 
 
-@njit(cache=True, parallel=True)
-def verify(  # type: ignore[no-untyped-def]
+@internal
+def _chunk_bad(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, c):  # type: ignore[no-untyped-def]
+    """Entries with a violation in chunk `c`: `_plain_chunk` (no real-KV sources) or
+    `_folded_chunk`."""
+    if count == 0:
+        return _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c)
+    return _folded_chunk(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, c)
+
+
+@internal
+def _record_all(  # type: ignore[no-untyped-def]
     buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, tag, ring, state,
 ):  # fmt: skip
-    """Verify every entry against `buf` (read-only); record violations in plan order."""
-    n = v_slot.shape[0]
-    # Count violating entries over chunks of `_CHUNK` entries in parallel: `_plain_chunk` (no
-    # real-KV sources) or `_folded_chunk`. One parallel loop for both chunk kinds: each costs
-    # numba ~2 s to compile, whatever its body.
-    nchunks = (n + _CHUNK - 1) // _CHUNK
-    bad = 0
-    for chunk in prange(nchunks):
-        # numba types the loop index int64, then uint64 in the parallel body it compiles: one
-        # type here, or each chunk helper is compiled twice
-        c = np.int64(chunk)
-        if count == 0:
-            bad += _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c)
-        else:
-            bad += _folded_chunk(
-                buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, c
-            )
-    if bad == 0:
-        return
-    for i in range(n):
+    """Record every violating entry's ring row, in plan order (serial: the ring is ordered)."""
+    for i in range(v_slot.shape[0]):
         slot = v_slot[i]
         if slot == 0:
             continue
@@ -238,3 +229,37 @@ def verify(  # type: ignore[no-untyped-def]
         if bits != 0:
             rec = buf[slot]
             _record(ring, state, tag, slot, rec[1], rec[0], v_tok[i], rec[2], exp_chain, bits)
+
+
+@njit(cache=True, parallel=True)
+def verify(  # type: ignore[no-untyped-def]
+    buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, tag, ring, state,
+):  # fmt: skip
+    """Verify every entry against `buf` (read-only); record violations in plan order."""
+    # Count violating entries over chunks of `_CHUNK` entries in parallel. One parallel loop for
+    # both chunk kinds: each costs numba ~2 s to compile, whatever its body.
+    nchunks = (v_slot.shape[0] + _CHUNK - 1) // _CHUNK
+    bad = 0
+    for chunk in prange(nchunks):
+        # numba types the loop index int64, then uint64 in the parallel body it compiles: one
+        # type here, or each chunk helper is compiled twice
+        c = np.int64(chunk)
+        bad += _chunk_bad(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, c)
+    if bad != 0:
+        _record_all(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, tag, ring,
+                    state)  # fmt: skip
+
+
+@njit(cache=True)
+def verify_serial(  # type: ignore[no-untyped-def]
+    buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, tag, ring, state,
+):  # fmt: skip
+    """`verify` on the calling thread, byte-equal to it: for launches too small to pay for
+    waking numba's thread pool (and for waiting on a pool thread that another process's
+    spinning threads keep off a core, as vLLM's OpenMP threads do after each forward)."""
+    bad = 0
+    for c in range((v_slot.shape[0] + _CHUNK - 1) // _CHUNK):
+        bad += _chunk_bad(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, c)
+    if bad != 0:
+        _record_all(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, tag, ring,
+                    state)  # fmt: skip

@@ -210,19 +210,15 @@ def _folded_task(  # type: ignore[no-untyped-def]
         bad[r3] = nb3 != 0
 
 
-@njit(cache=True, parallel=True)
-def write(  # type: ignore[no-untyped-def]
-    buf, seeds, req_offsets, w_slots, in_order, input_ids, positions, do_assert, exp_tok,
-    exp_pos, chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
-):  # fmt: skip
-    """Write one serial chain per request (parallel across requests, or in flat order when
-    `in_order`, the plan's `shadowed`), then record rows."""
+@internal
+def _chain_starts(buf, seeds):  # type: ignore[no-untyped-def]
+    """(start hash, start position) of each request's chain: its seed record's, or the head's.
+    Seeds are read before any record of this endpoint is written (snapshot, SPEC §14.1)."""
     nreq = seeds.shape[0]
     # np.empty, not np.zeros: in a parallel function numba runs np.zeros as a parallel loop, and
     # every parallel region is a thread barrier, slow when another process holds a core.
     start_hash = np.empty(nreq, dtype=np.uint64)
     start_pos = np.empty(nreq, dtype=np.int64)
-    # Seeds are read before any record of this endpoint is written (snapshot, SPEC §14.1).
     for r in range(nreq):
         seed = seeds[r]
         if seed >= 1:
@@ -231,39 +227,37 @@ def write(  # type: ignore[no-untyped-def]
         else:
             start_hash[r] = HEAD_HASH_U64
             start_pos[r] = 0
-    if in_order:
-        bad = _chains_in_order(
-            buf, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos, seeds,
-            chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+    return start_hash, start_pos
+
+
+@internal
+def _task(  # type: ignore[no-untyped-def]
+    buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+    chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos, g, ntasks, bad,
+):  # fmt: skip
+    """Task `g` of `ntasks`: `_plain_task` (no sources, no write assert) or `_folded_task`."""
+    if count == 0 and not do_assert:
+        _plain_task(
+            buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash,
+            start_pos, g, ntasks, bad,
         )  # fmt: skip
     else:
-        # Each task runs up to _LANES requests' chains interleaved, one entry of each in turn:
-        # the chains are independent, so the CPU overlaps their mix3 latencies. Task g owns
-        # requests g, g + ntasks, ... (no two tasks write one request's rows, nor one slot: a
-        # plan that writes a slot twice runs `_chains_in_order` instead). One parallel loop for
-        # both task kinds: each costs numba ~2 s to compile, whatever its body.
-        bad = np.empty(nreq, dtype=np.bool_)  # every request's entry is set by its task
-        ntasks = _write_tasks(nreq)
-        plain = count == 0 and not do_assert
-        for task in prange(ntasks):
-            # numba types the loop index int64, then uint64 in the parallel body it compiles:
-            # one type here, or every task helper is compiled twice
-            g = np.int64(task)
-            if plain:
-                _plain_task(
-                    buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position,
-                    start_hash, start_pos, g, ntasks, bad,
-                )  # fmt: skip
-            else:
-                _folded_task(
-                    buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok,
-                    exp_pos, chain_position, s0, s1, s2, s3, params, count, start_hash,
-                    start_pos, g, ntasks, bad,
-                )  # fmt: skip
-    for r in range(nreq):
+        _folded_task(
+            buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+            chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos, g, ntasks, bad,
+        )  # fmt: skip
+
+
+@internal
+def _replay_bad(  # type: ignore[no-untyped-def]
+    seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+    chain_position, start_hash, start_pos, bad, tag, ring, state,
+):  # fmt: skip
+    """Record the rows of every request flagged in `bad`, replaying its chain (no writes) in
+    entry order: the ring gets plan order whatever order the tasks ran in."""
+    for r in range(seeds.shape[0]):
         if not bad[r]:
             continue
-        # Replay the chain (no writes) to record this request's rows in entry order.
         running = start_hash[r]
         do_pos = chain_position and seeds[r] >= 1
         prev_pos = start_pos[r]
@@ -282,3 +276,68 @@ def write(  # type: ignore[no-untyped-def]
                 _record(ring, state, tag, slot, pos, tok, tok, running, prev_pos + 1, 16)
             prev_pos = pos
             running = mix3(running, uint64(tok), uint64(pos))
+
+
+@njit(cache=True, parallel=True)
+def write(  # type: ignore[no-untyped-def]
+    buf, seeds, req_offsets, w_slots, in_order, input_ids, positions, do_assert, exp_tok,
+    exp_pos, chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
+):  # fmt: skip
+    """Write one serial chain per request (parallel across requests, or in flat order when
+    `in_order`, the plan's `shadowed`), then record rows."""
+    start_hash, start_pos = _chain_starts(buf, seeds)
+    if in_order:
+        bad = _chains_in_order(
+            buf, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos, seeds,
+            chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+        )  # fmt: skip
+    else:
+        # Each task runs up to _LANES requests' chains interleaved, one entry of each in turn:
+        # the chains are independent, so the CPU overlaps their mix3 latencies. Task g owns
+        # requests g, g + ntasks, ... (no two tasks write one request's rows, nor one slot: a
+        # plan that writes a slot twice runs `_chains_in_order` instead). One parallel loop for
+        # both task kinds: each costs numba ~2 s to compile, whatever its body.
+        nreq = seeds.shape[0]
+        bad = np.empty(nreq, dtype=np.bool_)  # every request's entry is set by its task
+        ntasks = _write_tasks(nreq)
+        for task in prange(ntasks):
+            # numba types the loop index int64, then uint64 in the parallel body it compiles:
+            # one type here, or every task helper is compiled twice
+            g = np.int64(task)
+            _task(
+                buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok,
+                exp_pos, chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+                g, ntasks, bad,
+            )  # fmt: skip
+    _replay_bad(
+        seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+        chain_position, start_hash, start_pos, bad, tag, ring, state,
+    )  # fmt: skip
+
+
+@njit(cache=True)
+def write_serial(  # type: ignore[no-untyped-def]
+    buf, seeds, req_offsets, w_slots, in_order, input_ids, positions, do_assert, exp_tok,
+    exp_pos, chain_position, s0, s1, s2, s3, params, count, tag, ring, state,
+):  # fmt: skip
+    """`write` on the calling thread, byte-equal to it (see `fast_verify.verify_serial`)."""
+    start_hash, start_pos = _chain_starts(buf, seeds)
+    if in_order:
+        bad = _chains_in_order(
+            buf, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos, seeds,
+            chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+        )  # fmt: skip
+    else:
+        nreq = seeds.shape[0]
+        bad = np.empty(nreq, dtype=np.bool_)
+        ntasks = (nreq + _LANES - 1) // _LANES  # four chains per task, interleaved
+        for g in range(ntasks):
+            _task(
+                buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok,
+                exp_pos, chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
+                g, ntasks, bad,
+            )  # fmt: skip
+    _replay_bad(
+        seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
+        chain_position, start_hash, start_pos, bad, tag, ring, state,
+    )  # fmt: skip

@@ -1,8 +1,8 @@
 """Compile the fast kernels for the runtime's signatures before a first run, on every core.
 
 A cold first run spends nearly all of its extra time in numba's compiler, which holds the GIL: a
-single process compiles `build_plan`, `verify` and `write` one after the other. The three are
-independent (they share only small intrinsics), so `precompile()` splits them into groups of
+single process compiles `build_plan`, `verify` and `write` (and the serial twins of the last two)
+one after the other. They are independent (they share only small intrinsics), so `precompile()` splits them into groups of
 about equal compile time and compiles one group in this process while the others compile in child
 processes (`python -m kvcanary.canary.kernels.precompile GROUP`). Each process writes numba's
 cache (files per function, replaced atomically by numba); this process then loads what the
@@ -29,8 +29,8 @@ from numba import types
 import kvcanary
 from kvcanary.canary.kernels import compile_cache
 from kvcanary.canary.kernels.fast_plan import build_plan
-from kvcanary.canary.kernels.fast_verify import verify
-from kvcanary.canary.kernels.fast_write import write
+from kvcanary.canary.kernels.fast_verify import verify, verify_serial
+from kvcanary.canary.kernels.fast_write import write, write_serial
 
 __all__ = ["GROUPS", "compile_group", "precompile", "signatures"]
 
@@ -49,17 +49,25 @@ _SIGNATURES: dict[str, tuple[types.Type, ...]] = {
     "verify": (_U64_2D, _I64, _I64, _I64, _I64, *_SOURCES, *_RING),
     "write": (_U64_2D, _I64, _I64, _I64, _B, _I64, _I64, _B, _I64, _I64, _B, *_SOURCES, *_RING),
 }
+_SIGNATURES["verify_serial"] = _SIGNATURES["verify"]
+_SIGNATURES["write_serial"] = _SIGNATURES["write"]
 
 _KERNELS: dict[str, Callable[..., object]] = {
     "build_plan": build_plan,
     "verify": verify,
     "write": write,
+    "verify_serial": verify_serial,
+    "write_serial": write_serial,
 }
 
-#: compile groups of about equal cost (CPU seconds on a 2-core machine, each in a fresh process:
-#: write ~8; verify ~5 plus build_plan ~2.5). The first group compiles in the calling process,
-#: which has its imports done; a child first spends ~2 s importing numba and the package.
-GROUPS: tuple[tuple[str, ...], ...] = (("write",), ("verify", "build_plan"))
+#: compile groups of about equal cost (seconds on a 2-core machine, each in a fresh process: write
+#: ~7.5 plus its serial twin ~2.5, which reuses write's helpers; verify ~5.3, build_plan ~2.9,
+#: verify's serial twin ~1). The first group compiles in the calling process, which has its
+#: imports done; a child first spends ~2 s importing numba and the package.
+GROUPS: tuple[tuple[str, ...], ...] = (
+    ("write", "write_serial"),
+    ("verify", "verify_serial", "build_plan"),
+)
 
 
 def signatures() -> dict[str, tuple[types.Type, ...]]:
