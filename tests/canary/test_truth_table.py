@@ -34,8 +34,11 @@ def test_table_and_row_sequences_snapshot_alike(seed: int, nrows: int, ncols: in
     assert [list(s) for s in tt] == [list(s) for s in seqs]
     got = _truth_table(_view(tt), nrows, ncols, True)
     want = _truth_table(_view(seqs), nrows, ncols, True)
-    np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+    assert got[0].shape == want[0].shape
+    # the plan builder reads row r's truth only below its length: the rest may differ
+    readable = np.arange(got[0].shape[1]) < got[1][:, None]
+    np.testing.assert_array_equal(got[0][readable], want[0][readable])
     assert got[0].dtype == np.int64 and got[1].dtype == np.int64
 
 

@@ -217,8 +217,9 @@ def _truth_table(view: ForwardView, nrows: int, ncols: int, token_check: bool) -
 
 
 def _truth_from_table(tt: TruthTable, nrows: int, ncols: int) -> tuple[I64, I64]:
-    """`_truth_table` for a `TruthTable`: the same table (zeros past each row's length), built
-    with whole-array copies of the part the plan can read."""
+    """`_truth_table` for a `TruthTable`, with whole-array copies of the part the plan can read.
+    Entries past a row's length are copied as the table holds them (the plan builder reads only
+    `truth[r, : lens[r]]`), not zeroed: the zeroing would cost more than the copy."""
     tokens = as_int_array("truth_tokens.tokens", tt.tokens, 2)
     given = as_int_array("truth_tokens.lens", tt.lens, 1)
     n = min(len(given), nrows)
@@ -229,12 +230,12 @@ def _truth_from_table(tt: TruthTable, nrows: int, ncols: int) -> tuple[I64, I64]
         )
     lens = np.zeros(nrows, dtype=np.int64)
     lens[:n] = given[:n]
-    if n and int(lens[:n].min()) < 0:
+    low, high = (int(lens[:n].min()), int(lens[:n].max())) if n else (0, 0)
+    if low < 0:
         raise TypeError("kv-canary: forward_view.truth_tokens has a negative row length")
-    width = min(int(lens.max()) if n else 0, ncols, tokens.shape[1])
+    width = min(high, ncols, tokens.shape[1])
     table = np.zeros((nrows, width), dtype=np.int64)
     table[:n] = tokens[:n, :width]
-    table[np.arange(width) >= lens[:, None]] = 0  # what the rows' own sequences leave at 0
     return table, lens
 
 

@@ -34,8 +34,10 @@ def source_words(source: RealKvSource) -> npt.NDArray[np.uint64]:
 class FoldSources:
     """Up to four sources in hash order, as kernel arguments.
 
-    `params[i] = (page_size, words_per_token, words_read)`; unused entries point at a dummy array.
-    `words_read` is 2 (16 bytes) under PARTIAL and `read_bytes // 8` under ALL.
+    `params[i] = (page_size, words_per_token, words_read, page_shift)`; unused entries point at a
+    dummy array. `words_read` is 2 (16 bytes) under PARTIAL and `read_bytes // 8` under ALL;
+    `page_shift` is log2(page_size) for a power of two (the kernels then shift instead of
+    dividing), else -1.
     """
 
     words: tuple[npt.NDArray[np.uint64], ...]
@@ -56,17 +58,19 @@ class FoldSources:
                 f"got {len(sources)}"
             )
         used = () if mode is RealDataMode.NONE else tuple(sources)
-        params = np.zeros((MAX_SOURCES_PER_HALF, 3), dtype=np.int64)
+        params = np.zeros((MAX_SOURCES_PER_HALF, 4), dtype=np.int64)
         words: list[npt.NDArray[np.uint64]] = []
         for i, src in enumerate(used):
             read = _PARTIAL_BYTES if mode is RealDataMode.PARTIAL else src.read_bytes
-            params[i] = (src.page_size, src.num_bytes_per_token // 8, read // 8)
+            page = src.page_size
+            shift = page.bit_length() - 1 if page & (page - 1) == 0 else -1
+            params[i] = (page, src.num_bytes_per_token // 8, read // 8, shift)
             words.append(source_words(src))
         padded = words + [_DUMMY_WORDS] * (MAX_SOURCES_PER_HALF - len(words))
         return cls(words=tuple(padded), params=params, count=len(used))
 
     def tile_words(self, index: int, slot: int) -> npt.NDArray[np.uint64]:
         """The hashed words of `slot`'s tile in source `index` (for the reference kernels)."""
-        page_size, per_token, read = (int(x) for x in self.params[index])
+        page_size, per_token, read = (int(x) for x in self.params[index, :3])
         col = (slot % page_size) * per_token
         return self.words[index][slot // page_size, col : col + read]

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
-__all__ = ["StepPrep"]
+__all__ = ["StepPrep", "batch_shape"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -85,6 +85,29 @@ def _prep(  # type: ignore[no-untyped-def]
     return k, cross, low
 
 
+@njit(cache=True)
+def _batch_shape(qsl, computed, prompt, num_reqs, scheduled):  # type: ignore[no-untyped-def]
+    need = np.int64(0)
+    chunked = 0
+    for r in range(num_reqs):
+        n = np.int64(qsl[r + 1]) - np.int64(qsl[r])
+        scheduled[r] = n
+        end = np.int64(computed[r]) + n
+        need = max(need, end)
+        chunked += end < np.int64(prompt[r])
+    return need, chunked
+
+
+def batch_shape(query_start_loc: npt.NDArray[np.integer[Any]],
+                num_computed: npt.NDArray[np.integer[Any]],
+                num_prompt: npt.NDArray[np.integer[Any]], num_reqs: int) -> tuple[I64, int, int]:  # fmt: skip
+    """One compiled pass over the batch rows: `(scheduled tokens per row as int64, the longest
+    row's end (computed + scheduled), rows still inside their prompt after this forward)`."""
+    scheduled = np.empty(num_reqs, dtype=np.int64)
+    need, chunked = _batch_shape(query_start_loc, num_computed, num_prompt, num_reqs, scheduled)
+    return scheduled, int(need), int(chunked)
+
+
 class StepPrep:
     """Per-worker state of the compiled pass: the persistent `req_to_token` (row `r + 1` is
     persistent-batch row `r`, as `view.paged_req_to_token` builds it), the block ids it expands,
@@ -107,14 +130,17 @@ class StepPrep:
         self._seen = np.zeros((self._rows, cols), dtype=np.int64)
 
     def run(self, block_table: npt.NDArray[np.integer[Any]], num_reqs: int,
-            computed: npt.NDArray[np.integer[Any]], scheduled: I64, slots: I64) -> I64:  # fmt: skip
+            computed: npt.NDArray[np.integer[Any]], scheduled: I64, slots: I64,
+            need: int | None = None) -> I64:  # fmt: skip
         """Sync rows `1..num_reqs` of `table` over the blocks this forward reaches and return
         `table[: num_reqs + 1]`. Afterwards `tail_blocks` lists the cache blocks TAIL reads
         (each row's `[0, computed)` and the written slots' blocks; repeats possible), `cross` is
         False only when no row's prefix block is written by another row in this forward (then
-        the forward is one canary wave), and `min_slot` is the smallest slot (0 if none below)."""
+        the forward is one canary wave), and `min_slot` is the smallest slot (0 if none below).
+        `need` is the longest row's `computed + scheduled` when the caller knows it."""
         b = self.block_size
-        need = int((computed[:num_reqs] + scheduled[:num_reqs]).max()) if num_reqs else 0
+        if need is None:
+            need = int((computed[:num_reqs] + scheduled[:num_reqs]).max()) if num_reqs else 0
         nblocks = max(1, min(-(-need // b), block_table.shape[1]))
         if nblocks > self._seen.shape[1]:
             self._grow(min(block_table.shape[1], max(nblocks, 2 * self._seen.shape[1])))

@@ -51,6 +51,8 @@ def build_forward_view(
     slot_mapping: npt.NDArray[np.integer],
     truth_tokens: Sequence[Sequence[int]] | None = None,
     req_to_token: npt.NDArray[np.integer] | None = None,
+    total: int | None = None,
+    min_slot: int | None = None,
 ) -> ForwardView:
     """One ForwardView for a vLLM-style batch: request `i` (persistent-batch row `i`) becomes view
     row `i + 1`; `prefix_lens` are the computed tokens and `extend_lens` the scheduled ones.
@@ -60,17 +62,22 @@ def build_forward_view(
     `req_to_token` is derived from the block table at call time (or passed in, built by
     `prep.StepPrep` from the same table), so the view is not `mutable` (fault injection that
     edits engine tables skips). Slots in the null block are passed through unchanged in
-    `out_slots` (a write there is itself a bug the TAIL stage records).
+    `out_slots` (a write there is itself a bug the TAIL stage records). `total` (the scheduled
+    token count) and `min_slot` (the smallest slot, or 0) save a pass when the caller knows them.
     """
     num_reqs = len(num_scheduled)
-    total = int(np.asarray(num_scheduled, dtype=np.int64).sum())
-    prefix = np.asarray(num_computed[:num_reqs], dtype=np.int64).copy()
-    extend = np.asarray(num_scheduled, dtype=np.int64).copy()
+    if total is None:
+        total = int(np.asarray(num_scheduled, dtype=np.int64).sum())
+    # the canary snapshots what it reads: int64 arrays are passed as views
+    prefix = np.asarray(num_computed[:num_reqs], dtype=np.int64)
+    extend = np.asarray(num_scheduled, dtype=np.int64)
     if req_to_token is None:
         width = int((prefix + extend).max()) if num_reqs else 0
         req_to_token = paged_req_to_token(block_table, num_reqs, block_size, width)
     slots = np.asarray(slot_mapping[:total], dtype=np.int64)
-    if slots.size and int(slots.min()) < -1:
+    if min_slot is None:
+        min_slot = int(slots.min()) if slots.size else 0
+    if min_slot < -1:
         slots = slots.copy()
         slots[slots < 0] = -1
     return ForwardView(

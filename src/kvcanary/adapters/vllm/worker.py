@@ -22,7 +22,7 @@ import torch
 
 from kvcanary.adapters.vllm.layout import LayerSources, LayoutError, TokenByteMap, build_sources
 from kvcanary.adapters.vllm.layout import calibrate as calibrate_layout
-from kvcanary.adapters.vllm.prep import StepPrep
+from kvcanary.adapters.vllm.prep import StepPrep, batch_shape
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
 from kvcanary.adapters.vllm.view import build_forward_view, split_waves
@@ -109,6 +109,7 @@ class CanaryWorker:
         self._last_checks = 0
         self._dropped_seen: Counter[tuple[str, str]] = Counter()
         self.last_request_ids: list[str] = []
+        self._layer0 = ""  # the KV cache layer the canary covers (its slot mapping is read)
 
     @property
     def hooks(self) -> Any:
@@ -142,6 +143,7 @@ class CanaryWorker:
         if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu" or kv.dim() != 4:
             logger.warning("kv-canary: KV cache of %s is not a 4-D CPU tensor; canary off", name)
             return None
+        self._layer0 = name
         self.block_size = int(runner.input_batch.block_table[0].block_size)
         if kv.shape[2] != self.block_size:
             logger.warning("kv-canary: KV block dim %d != block size %d; canary off",
@@ -267,39 +269,36 @@ class CanaryWorker:
         num_reqs = int(ib.num_reqs)
         if num_reqs == 0:
             return None
-        qsl = runner.query_start_loc.np[: num_reqs + 1]
-        num_scheduled = np.diff(qsl).astype(np.int64)
-        total = int(qsl[-1])
+        qsl = runner.query_start_loc.np
+        total = int(qsl[num_reqs])
         if total == 0:
             return None
+        computed = ib.num_computed_tokens_cpu[:num_reqs]
+        num_scheduled, need, chunked = batch_shape(qsl, computed, ib.num_prompt_tokens, num_reqs)
+        self.chunked_prefill_rows += chunked
         bt = ib.block_table[0]
-        b = self.block_size
         mapping = None
         if isinstance(slot_mapping, dict) and slot_mapping:
-            mapping = slot_mapping.get(runner.kv_cache_config.kv_cache_groups[0].layer_names[0])
+            mapping = slot_mapping.get(self._layer0)
         if not isinstance(mapping, torch.Tensor):
             mapping = bt.slot_mapping.cpu
-        computed = ib.num_computed_tokens_cpu[:num_reqs]
-        self.chunked_prefill_rows += int(
-            np.count_nonzero(computed + num_scheduled < ib.num_prompt_tokens[:num_reqs])
-        )
         truth = None
         if self.config.enable_verify_token_assert:
             # the persistent token table, read in place (the canary copies what it checks)
             truth = TruthTable(ib.token_ids_cpu, ib.num_tokens_no_spec[:num_reqs])
-        self.last_request_ids = list(ib.req_ids[:num_reqs])
+        self.last_request_ids = ib.req_ids[:num_reqs]
         table = bt.block_table.np
         if self._prep is None:
-            self._prep = StepPrep(table, b, self.num_blocks)
+            self._prep = StepPrep(table, self.block_size, self.num_blocks)
         slots = mapping[:total].numpy()
-        r2t = self._prep.run(table, num_reqs, computed, num_scheduled, slots)
+        r2t = self._prep.run(table, num_reqs, computed, num_scheduled, slots, need)
         mirrored = self.sources is not None and self.sources.mirror is not None
         self._tail_blocks = self._prep.tail_blocks if mirrored else None
         return build_forward_view(
-            block_table=table, block_size=b, num_computed=computed,
+            block_table=table, block_size=self.block_size, num_computed=computed,
             num_scheduled=num_scheduled, input_ids=runner.input_ids.cpu[:total].numpy(),
             positions=runner.positions[:total].numpy(), slot_mapping=slots,
-            truth_tokens=truth, req_to_token=r2t,
+            truth_tokens=truth, req_to_token=r2t, total=total, min_slot=self._prep.min_slot,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ figures

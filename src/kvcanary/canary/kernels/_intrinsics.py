@@ -99,17 +99,18 @@ def mix3(a, b, c):  # type: ignore[no-untyped-def]
 
 
 @internal
-def _tile(page_size, per_token, slot):  # type: ignore[no-untyped-def]
-    """(row, first word) of `slot`'s tile. A page of one token (the common token-major layout)
-    needs no division, which would cost more than the fold itself."""
-    if page_size == 1:
-        return slot, 0
+def _tile(page_size, shift, per_token, slot):  # type: ignore[no-untyped-def]
+    """(row, first word) of `slot`'s tile. A page of a power-of-two number of tokens (`shift`
+    = its log2, else -1) needs no division: a 64-bit division costs more than the fold itself
+    (about 13 ns of a 23 ns fold, measured for 32-token vLLM blocks)."""
+    if shift >= 0:
+        return slot >> shift, (slot & (page_size - 1)) * per_token
     return slot // page_size, (slot % page_size) * per_token
 
 
 @internal
-def _fold_one(words, page_size, per_token, nread, slot):  # type: ignore[no-untyped-def]
-    row, col = _tile(page_size, per_token, slot)
+def _fold_one(words, page_size, shift, per_token, nread, slot):  # type: ignore[no-untyped-def]
+    row, col = _tile(page_size, shift, per_token, slot)
     acc = uint64(0)
     for w in range(nread):
         acc = splitmix64(acc ^ words[row, col + w])
@@ -117,10 +118,10 @@ def _fold_one(words, page_size, per_token, nread, slot):  # type: ignore[no-unty
 
 
 @internal
-def _prefetch_tile(words, page_size, per_token, nread, slot):  # type: ignore[no-untyped-def]
+def _prefetch_tile(words, page_size, shift, per_token, nread, slot):  # type: ignore[no-untyped-def]
     """Prefetch the words `_fold_one` reads for `slot` (first and last: a tile may straddle a
     cache line)."""
-    row, col = _tile(page_size, per_token, slot)
+    row, col = _tile(page_size, shift, per_token, slot)
     _prefetch_word(words, row, col)
     _prefetch_word(words, row, col + nread - 1)
 
@@ -130,26 +131,34 @@ def prefetch_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-un
     """Prefetch every source tile `fold_sources` reads for `slot` (real-KV rows are far apart
     in memory, so a fold over many entries is otherwise one DRAM latency per entry)."""
     if count > 0:
-        _prefetch_tile(s0, params[0, 0], params[0, 1], params[0, 2], slot)
+        _prefetch_tile(s0, params[0, 0], params[0, 3], params[0, 1], params[0, 2], slot)
     if count > 1:
-        _prefetch_tile(s1, params[1, 0], params[1, 1], params[1, 2], slot)
+        _prefetch_tile(s1, params[1, 0], params[1, 3], params[1, 1], params[1, 2], slot)
     if count > 2:
-        _prefetch_tile(s2, params[2, 0], params[2, 1], params[2, 2], slot)
+        _prefetch_tile(s2, params[2, 0], params[2, 3], params[2, 1], params[2, 2], slot)
     if count > 3:
-        _prefetch_tile(s3, params[3, 0], params[3, 1], params[3, 2], slot)
+        _prefetch_tile(s3, params[3, 0], params[3, 3], params[3, 1], params[3, 2], slot)
 
 
 @njit(cache=True)
 def fold_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-untyped-def]
     acc = uint64(0)
     if count > 0:
-        acc = splitmix64(acc ^ _fold_one(s0, params[0, 0], params[0, 1], params[0, 2], slot))
+        acc = splitmix64(
+            acc ^ _fold_one(s0, params[0, 0], params[0, 3], params[0, 1], params[0, 2], slot)
+        )
     if count > 1:
-        acc = splitmix64(acc ^ _fold_one(s1, params[1, 0], params[1, 1], params[1, 2], slot))
+        acc = splitmix64(
+            acc ^ _fold_one(s1, params[1, 0], params[1, 3], params[1, 1], params[1, 2], slot)
+        )
     if count > 2:
-        acc = splitmix64(acc ^ _fold_one(s2, params[2, 0], params[2, 1], params[2, 2], slot))
+        acc = splitmix64(
+            acc ^ _fold_one(s2, params[2, 0], params[2, 3], params[2, 1], params[2, 2], slot)
+        )
     if count > 3:
-        acc = splitmix64(acc ^ _fold_one(s3, params[3, 0], params[3, 1], params[3, 2], slot))
+        acc = splitmix64(
+            acc ^ _fold_one(s3, params[3, 0], params[3, 3], params[3, 1], params[3, 2], slot)
+        )
     return acc
 
 

@@ -22,9 +22,9 @@ def _u(x: Any) -> int:
 def fold_sources(s0: Arr, s1: Arr, s2: Arr, s3: Arr, params: Arr, count: int, slot: int) -> int:
     """acc = splitmix64(acc ^ fold_one(src, slot)) over the sources in order; 0 with none."""
     acc = 0
-    for words, (page_size, per_token, nread) in list(zip((s0, s1, s2, s3), params, strict=False))[
-        :count
-    ]:
+    for words, (page_size, per_token, nread) in list(
+        zip((s0, s1, s2, s3), params[:, :3], strict=False)
+    )[:count]:
         row, col = slot // int(page_size), (slot % int(page_size)) * int(per_token)
         one = 0
         for w in range(int(nread)):
