@@ -252,6 +252,43 @@ def test_internal_error_exits_4(monkeypatch: pytest.MonkeyPatch) -> None:
     assert code == 4 and "RuntimeError: planted bug" in err and "internal error" in err
 
 
+@pytest.mark.parametrize(("signal_exc", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_signal_inside_compiled_code_is_the_signal_not_a_bug(
+    monkeypatch: pytest.MonkeyPatch, signal_exc: str, code: int
+) -> None:
+    """CI saw SIGTERM land in numba's unpickle callback: a SystemError caused by Terminated."""
+    import kvcanary.cli.commands as commands
+    from kvcanary.app.session import Terminated
+
+    def wrapped(*args: object, **kwargs: object) -> None:
+        inner = Terminated() if signal_exc == "SIGTERM" else KeyboardInterrupt()
+        try:
+            try:
+                raise inner
+            except KeyboardInterrupt as exc:
+                raise SystemError("<function _numba_unpickle> returned a result") from exc
+        except SystemError as exc:
+            raise SystemError("CPUDispatcher(build_plan) returned a result") from exc
+
+    monkeypatch.setattr(commands, "run_session", wrapped)
+    got, _, err = in_process(["run", *SMALL], {})
+    assert got == code and "internal error" not in err and "Traceback" not in err
+
+
+def test_a_system_error_without_a_signal_is_still_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvcanary.cli.commands as commands
+
+    def wrapped(*args: object, **kwargs: object) -> None:
+        try:
+            raise ValueError("inner")
+        except ValueError as exc:
+            raise SystemError("outer") from exc
+
+    monkeypatch.setattr(commands, "run_session", wrapped)
+    code, _, err = in_process(["run", *SMALL], {})
+    assert code == 4 and "internal error" in err
+
+
 def test_check_config_prints_capacities() -> None:
     code, out, err = in_process(["check-config", "--kv-canary", "log", "--cuda-graph-max-bs", "160",
                                  "--speculative-num-draft-tokens", "4",

@@ -47,6 +47,7 @@ __all__ = [
     "Stack",
     "Terminated",
     "TimedHooks",
+    "interrupt_behind",
     "build_stack",
     "run_session",
     "warm_up_kernels",
@@ -55,6 +56,24 @@ __all__ = [
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM as an exception (the CLI's handler raises it), so a run stops like on Ctrl-C."""
+
+
+def interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C / SIGTERM that `exc` wraps, if any.
+
+    A signal handler raises between any two bytecodes, including Python code that compiled code
+    calls back into (numba unpickles its constants there). The compiled caller then reports a
+    `SystemError` whose `__cause__`/`__context__` chain holds the interrupt; it is still the
+    user's signal, not a bug.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -262,6 +281,11 @@ def run_session(
                 )
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM via Terminated: summarise what ran
         interrupted = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+    except SystemError as exc:  # the signal landed inside a compiled kernel's callback
+        signal_exc = interrupt_behind(exc)
+        if signal_exc is None:
+            raise
+        interrupted = "SIGTERM" if isinstance(signal_exc, Terminated) else "SIGINT"
     wall = time.perf_counter() - start
     stats = engine.stats()
     by_reason: Counter[str] = Counter()

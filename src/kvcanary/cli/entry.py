@@ -85,7 +85,7 @@ def _line(text: str, argv: Sequence[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `kvcanary ARGV` and return its exit status (the console script exits with it)."""
-    from kvcanary.app.session import Terminated
+    from kvcanary.app.session import Terminated, interrupt_behind
     from kvcanary.cli.commands import app
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -111,7 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, typer.Abort):
         typer.echo("kvcanary: interrupted", err=True)
         return EXIT_SIGINT
-    except Exception:
+    except Exception as exc:
+        signal_exc = interrupt_behind(exc)  # a signal that landed inside compiled code
+        if isinstance(signal_exc, Terminated):
+            typer.echo("kvcanary: terminated", err=True)
+            return EXIT_SIGTERM
+        if signal_exc is not None:
+            typer.echo("kvcanary: interrupted", err=True)
+            return EXIT_SIGINT
         traceback.print_exc()
         typer.echo("kvcanary: internal error (a bug, not your input); please report the "
                    "traceback above", err=True)  # fmt: skip
