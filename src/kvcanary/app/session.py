@@ -47,8 +47,8 @@ __all__ = [
     "Stack",
     "Terminated",
     "TimedHooks",
-    "interrupt_behind",
     "build_stack",
+    "interrupt_behind",
     "run_session",
     "warm_up_kernels",
 ]
