@@ -203,3 +203,35 @@ def test_a_multiconnector_rebuilds_the_canarys_stats_by_name() -> None:
     assert isinstance(rebuilt.data["KVCanaryConnector"], KVCanaryStats)
     assert rebuilt.data["KVCanaryConnector"].data == stats.data
     assert KVCanaryConnector.__name__ == "KVCanaryConnector"  # the name vLLM keys children by
+
+
+_AMX_PROBE = """
+import ctypes, torch
+from kvcanary.adapters.vllm.plugin import enable_amx_tiles
+libc = ctypes.CDLL(None, use_errno=True)
+def permitted():  # arch_prctl(ARCH_GET_XCOMP_PERM): the XSAVE features this process may use
+    mask = ctypes.c_uint64(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(mask)) == 0, ctypes.get_errno()
+    return bool(mask.value & (1 << 18))  # XFEATURE_XTILEDATA
+before = permitted()
+print(torch.cpu._is_amx_tile_supported(), before, enable_amx_tiles(), permitted())
+"""
+
+
+def test_the_plugin_holds_amx_tile_state_where_the_cpu_has_amx() -> None:
+    """Detected, not assumed: on an AMX CPU a fresh process lacks the tile permission until the
+    plugin asks (vLLM's amx attention would die of SIGILL); elsewhere the plugin asks nothing."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        pytest.skip("arch_prctl XCOMP permissions are Linux x86-64 only")
+    done = subprocess.run([sys.executable, "-c", _AMX_PROBE], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    has_amx, before, granted, after = done.stdout.split()[-4:]
+    if has_amx == "True":
+        assert (before, granted, after) == ("False", "True", "True")
+    else:
+        assert (granted, after) == ("False", before)

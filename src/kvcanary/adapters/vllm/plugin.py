@@ -22,6 +22,13 @@ tests/adapters/test_vllm_hooks.py):
   worker where raise mode stopped it. The wrapper puts the violation's first line (the worker
   writes it to the `STOP_NOTE_ENV` file, a name the first vLLM process picks and its children
   inherit) in front of that message, so clients see which kv-canary violation stopped vLLM.
+- Not a patch: on a CPU with AMX the entry point asks the kernel for AMX tile state in every
+  process (`torch.cpu._init_amx`, Linux `arch_prctl(ARCH_REQ_XCOMP_PERM)`). vLLM 0.32's CPU
+  attention picks its `amx` kernel for bf16 without asking; when that kernel is the first AMX code
+  a worker runs (a decode engine whose first forward reads KV a connector landed, seen with
+  ExampleConnector, no canary installed) the worker dies of SIGILL ("Illegal instruction"). A
+  first forward without cached context goes through torch's oneDNN path, which asks, so single
+  engines never showed it.
 - `vllm.triton_utils.dispatcher._rebind_kernels`, always: `kvcanary.canary` imports numba
   (llvmlite); vLLM 0.32's `register_triton_kernel_overrides` (run in `init_worker`) scans every
   module namespace and crashes on llvmlite's `ffi.lib` (`AttributeError: '_lib_fn_wrapper' object
@@ -46,6 +53,7 @@ __all__ = [
     "STOP_NOTE_ENV",
     "apply_patches",
     "canary_transfer_config",
+    "enable_amx_tiles",
     "recover_policy",
     "register_connector_name",
     "register_from_env",
@@ -219,9 +227,25 @@ def register_from_env(environ: Mapping[str, str] | None = None) -> bool:
         )
     shortcut = mode in ("log", "raise", "recover")
     _ensure_log_handler()
+    enable_amx_tiles()
     register_connector_name()
     apply_patches(shortcut)
     return shortcut
+
+
+def enable_amx_tiles() -> bool:
+    """Ask for AMX tile state in this process where the CPU has AMX (see the module docstring:
+    vLLM's `amx` attention kernel otherwise dies of SIGILL when it is the first AMX code to run).
+    True when the permission is held; False on a CPU without AMX or where the kernel refuses."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return False
+    granted = bool(torch.cpu._init_amx())
+    if not granted:
+        logger.warning("kv-canary: this CPU has AMX but the kernel refused AMX tile state; "
+                       "vLLM's amx attention may stop with SIGILL")  # fmt: skip
+    return granted
 
 
 def register_connector_name() -> None:
