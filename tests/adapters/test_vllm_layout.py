@@ -132,6 +132,35 @@ def test_one_flipped_byte_in_the_live_cache_is_reported_at_exactly_its_slot(
     assert all(v.position == victim for v in found)
 
 
+@pytest.mark.parametrize("isa", ["amx", "vec"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_flip_in_the_mirror_written_back_lands_in_the_cache_byte_it_mirrors(
+    dtype: torch.dtype, isa: str
+) -> None:
+    """On AMX layouts the perturber's sources are the mirror; `write_back` must move exactly the
+    flipped byte into the cache (a later `refresh` would otherwise erase it unseen)."""
+    kv = torch.zeros(N, H, B, 2 * D, dtype=dtype)
+    write = backend_writer(isa)
+    layout = calibrate(kv, write)
+    write(torch.randn(2 * B, H, D).to(dtype), torch.randn(2 * B, H, D).to(dtype), kv,
+          torch.arange(B, 3 * B))  # fmt: skip
+    sources = build_sources(kv, layout, read_bytes=16)
+    if sources.mirror is None:
+        pytest.skip(f"{isa}/{dtype}: every head is token-major, nothing is mirrored")
+    mirror = sources.mirror
+    blocks = np.array([1, 2, 2, 7, -1])  # repeats and ids outside the cache are fine
+    mirror.refresh(blocks)
+    raw = kv.view(torch.uint8).view(N, -1)
+    before = raw.clone()
+    mirror.rows[2, 5] ^= 0x10
+    mirror.write_back(blocks)
+    changed = (raw != before).nonzero().tolist()
+    assert len(changed) == 1 and changed[0][0] == 2
+    assert int(raw[2, changed[0][1]]) == int(before[2, changed[0][1]]) ^ 0x10
+    mirror.refresh(blocks)
+    assert int(mirror.rows[2, 5]) == int(raw[2, changed[0][1]])  # the flip survives a re-gather
+
+
 @pytest.mark.parametrize("head_dim", [64, 48])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_isa_vllm_picks_on_this_machine_is_covered(dtype: torch.dtype, head_dim: int) -> None:

@@ -298,6 +298,11 @@ class Canary:
         return self._last_sweep_step is None or self.step - self._last_sweep_step >= interval
 
     @property
+    def perturbed(self) -> bool:
+        """True while a fault injector is attached (`install(perturb=...)`, `set_perturber`)."""
+        return self._perturb is not None
+
+    @property
     def walker(self) -> PrefixCacheWalker | None:
         """The prefix-cache walker attached with `attach_prefix_cache`, if any."""
         return self._walker

@@ -206,6 +206,22 @@ class KvMirror:
         else:
             self._rows[idx] = np.take(self._bytes[idx], self._gather, axis=1)
 
+    def write_back(self, blocks: npt.NDArray[np.integer]) -> None:
+        """Store the mirror rows of `blocks` into the cache bytes they were gathered from.
+
+        Fault injection only: a perturber flips a byte of a mirrored source, i.e. of this copy,
+        which the next `refresh` would overwrite unseen. Called right after the perturber ran
+        and after a `refresh` of the same blocks with no KV write in between, it moves exactly
+        the flipped bytes into the cache, so the forward reads them and TAIL sees them."""
+        n = len(self._rows)
+        idx = np.asarray(blocks, dtype=np.int64)
+        idx = np.unique(idx[(idx >= 0) & (idx < n)])
+        if self._flat is not None:
+            self._flat[idx[:, None] * self._stride + self._gather[None, :]] = self._rows[idx]
+            return
+        for b in idx.tolist():
+            self._bytes[b, self._gather] = self._rows[b]
+
 
 @dataclass(frozen=True)
 class LayerSources:

@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvcanary.adapters.vllm.layout import LayerSources, LayoutError, TokenByteMap, build_sources
+from kvcanary.adapters.vllm.layout import (
+    KvMirror,
+    LayerSources,
+    LayoutError,
+    TokenByteMap,
+    build_sources,
+)
 from kvcanary.adapters.vllm.layout import calibrate as calibrate_layout
 from kvcanary.adapters.vllm.prep import StepPrep, batch_shape
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
@@ -222,7 +228,12 @@ class CanaryWorker:
             assert self._prep is not None
             self._waves = split_waves(view) if self._prep.cross else [view]
             self.split_forwards += len(self._waves) > 1
+            flips = self._mirror_flips(canary)
+            if flips is not None and self._tail_blocks is not None:
+                flips.refresh(self._tail_blocks)
             canary.pre_forward(view=self._waves[0])  # HEAD folds no real KV: no mirror re-gather
+            if flips is not None and self._tail_blocks is not None:
+                flips.write_back(self._tail_blocks)
         except Exception:
             self._waves = []
             raise
@@ -244,15 +255,22 @@ class CanaryWorker:
             for later in waves[1:]:  # rows that hit prefix blocks written by this forward
                 canary.pre_forward(view=later)
                 canary.post_forward(view=later)
+            flips = self._mirror_flips(canary)
+            if flips is not None and self._tail_blocks is not None:
+                flips.write_back(self._tail_blocks)  # refreshed above, before TAIL's flips
             if self._runner_hooks is not None:
                 self._runner_hooks.after_forward(runner=self.runner, step=canary.step)
             self.walker.snapshot = snapshot
+            swept = None
             if snapshot is not None and mirror is not None and canary.sweep_due:
-                mirror.refresh(snapshot.rows[:, 0])  # a snapshot names each block once
+                swept = snapshot.rows[:, 0]
+                mirror.refresh(swept)  # a snapshot names each block once
             sweeps = canary.sweep_passes
             walks = self.walker.walks
             try:
                 canary.end_step()
+                if flips is not None and swept is not None:
+                    flips.write_back(swept)
             finally:
                 self.walker.snapshot = None
                 self.figures.sweeps += int(
@@ -262,6 +280,13 @@ class CanaryWorker:
             self.figures.forwards += 1
             self._collect()
             self.canary_seconds += time.perf_counter() - t0
+
+    def _mirror_flips(self, canary: Canary) -> KvMirror | None:
+        """The mirror, when a fault injector may flip its bytes (never in production): the flips
+        must reach the cache (`KvMirror.write_back`) or the next re-gather erases them."""
+        if not canary.perturbed or self.sources is None:
+            return None
+        return self.sources.mirror
 
     def _view(self, slot_mapping: Any) -> ForwardView | None:
         runner = self.runner
