@@ -134,11 +134,12 @@ def test_one_flipped_byte_in_the_live_cache_is_reported_at_exactly_its_slot(
 
 @pytest.mark.parametrize("isa", ["amx", "vec"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_a_flip_in_the_mirror_written_back_lands_in_the_cache_byte_it_mirrors(
+def test_flips_of_mirror_bytes_reach_the_cache_and_flips_of_the_cache_stay(
     dtype: torch.dtype, isa: str
 ) -> None:
-    """On AMX layouts the perturber's sources are the mirror; `write_back` must move exactly the
-    flipped byte into the cache (a later `refresh` would otherwise erase it unseen)."""
+    """On AMX layouts an injector's sources are the mirror: `flips_written_back` must move
+    exactly the mirror bytes it flipped into the cache (a later `refresh` would erase them
+    unseen) and leave a byte it flipped in the cache itself as it is."""
     kv = torch.zeros(N, H, B, 2 * D, dtype=dtype)
     write = backend_writer(isa)
     layout = calibrate(kv, write)
@@ -148,17 +149,18 @@ def test_a_flip_in_the_mirror_written_back_lands_in_the_cache_byte_it_mirrors(
     if sources.mirror is None:
         pytest.skip(f"{isa}/{dtype}: every head is token-major, nothing is mirrored")
     mirror = sources.mirror
-    blocks = np.array([1, 2, 2, 7, -1])  # repeats and ids outside the cache are fine
-    mirror.refresh(blocks)
     raw = kv.view(torch.uint8).view(N, -1)
+    cache_byte = int(layout.token_bytes("k", 0, 3)[0])  # block 1, token 3: folded by the canary
     before = raw.clone()
-    mirror.rows[2, 5] ^= 0x10
-    mirror.write_back(blocks)
-    changed = (raw != before).nonzero().tolist()
-    assert len(changed) == 1 and changed[0][0] == 2
-    assert int(raw[2, changed[0][1]]) == int(before[2, changed[0][1]]) ^ 0x10
-    mirror.refresh(blocks)
-    assert int(mirror.rows[2, 5]) == int(raw[2, changed[0][1]])  # the flip survives a re-gather
+    with mirror.flips_written_back(np.array([1, 2, 2, 7, -1])):  # repeats, ids outside: fine
+        mirror.rows[2, 5] ^= 0x10  # a flip of the copy
+        raw[1, cache_byte] ^= 0x01  # a flip of the cache itself
+    changed = sorted(map(tuple, (raw != before).nonzero().tolist()))
+    assert len(changed) == 2 and changed[0] == (1, cache_byte) and changed[1][0] == 2
+    assert int(raw[1, cache_byte]) == int(before[1, cache_byte]) ^ 0x01
+    assert int(raw[changed[1]]) == int(before[changed[1]]) ^ 0x10
+    mirror.refresh(np.array([1, 2]))
+    assert int(mirror.rows[2, 5]) == int(raw[changed[1]])  # both survive a re-gather
 
 
 @pytest.mark.parametrize("head_dim", [64, 48])

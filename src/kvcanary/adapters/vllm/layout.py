@@ -17,7 +17,8 @@ gather from the live cache right before every check that reads it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,21 +207,24 @@ class KvMirror:
         else:
             self._rows[idx] = np.take(self._bytes[idx], self._gather, axis=1)
 
-    def write_back(self, blocks: npt.NDArray[np.integer]) -> None:
-        """Store the mirror rows of `blocks` into the cache bytes they were gathered from.
+    @contextlib.contextmanager
+    def flips_written_back(self, blocks: npt.NDArray[np.integer]) -> Iterator[None]:
+        """Re-gather `blocks`, run the body (a fault injector), then store into the cache every
+        byte of those mirror rows that the body changed.
 
-        Fault injection only: a perturber flips a byte of a mirrored source, i.e. of this copy,
-        which the next `refresh` would overwrite unseen. Called right after the perturber ran
-        and after a `refresh` of the same blocks with no KV write in between, it moves exactly
-        the flipped bytes into the cache, so the forward reads them and TAIL sees them."""
+        Fault injection only: an injector that flips a byte of a mirrored source flips this copy,
+        which the next `refresh` would overwrite unseen; written back, the flip is in the cache,
+        where the forward reads it and TAIL finds it. Bytes the body changed in the cache itself
+        are left alone (only mirror bytes that differ from their re-gather are stored)."""
         n = len(self._rows)
         idx = np.asarray(blocks, dtype=np.int64)
         idx = np.unique(idx[(idx >= 0) & (idx < n)])
-        if self._flat is not None:
-            self._flat[idx[:, None] * self._stride + self._gather[None, :]] = self._rows[idx]
-            return
-        for b in idx.tolist():
-            self._bytes[b, self._gather] = self._rows[b]
+        self.refresh(idx)
+        before = self._rows[idx]  # a copy (fancy indexing)
+        yield
+        rows, cols = np.nonzero(self._rows[idx] != before)
+        if len(rows):
+            self._bytes[idx[rows], self._gather[cols]] = self._rows[idx[rows], cols]
 
 
 @dataclass(frozen=True)

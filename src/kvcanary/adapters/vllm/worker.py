@@ -9,6 +9,7 @@ inside functions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -21,7 +22,6 @@ import numpy as np
 import torch
 
 from kvcanary.adapters.vllm.layout import (
-    KvMirror,
     LayerSources,
     LayoutError,
     TokenByteMap,
@@ -211,6 +211,8 @@ class CanaryWorker:
             hooks.runner = self.runner
         if hooks is not None and hasattr(hooks, "walker"):
             hooks.walker = self.walker  # the scheduler's snapshot of this step (sweep steps)
+        if hooks is not None and hasattr(hooks, "mirror"):
+            hooks.mirror = self.sources.mirror if self.sources is not None else None
         if self.canary is not None:
             self.canary.set_perturber(hooks if hasattr(hooks, "before_plan") else None)
 
@@ -228,12 +230,8 @@ class CanaryWorker:
             assert self._prep is not None
             self._waves = split_waves(view) if self._prep.cross else [view]
             self.split_forwards += len(self._waves) > 1
-            flips = self._mirror_flips(canary)
-            if flips is not None and self._tail_blocks is not None:
-                flips.refresh(self._tail_blocks)
-            canary.pre_forward(view=self._waves[0])  # HEAD folds no real KV: no mirror re-gather
-            if flips is not None and self._tail_blocks is not None:
-                flips.write_back(self._tail_blocks)
+            with self._flips_reach_cache(canary, self._tail_blocks):
+                canary.pre_forward(view=self._waves[0])  # HEAD folds no real KV: no re-gather
         except Exception:
             self._waves = []
             raise
@@ -251,13 +249,11 @@ class CanaryWorker:
             mirror = self.sources.mirror if self.sources is not None else None
             if mirror is not None and self._tail_blocks is not None:
                 mirror.refresh(self._tail_blocks)  # what TAIL reads, at check time
-            canary.post_forward(view=waves[0])
-            for later in waves[1:]:  # rows that hit prefix blocks written by this forward
-                canary.pre_forward(view=later)
-                canary.post_forward(view=later)
-            flips = self._mirror_flips(canary)
-            if flips is not None and self._tail_blocks is not None:
-                flips.write_back(self._tail_blocks)  # refreshed above, before TAIL's flips
+            with self._flips_reach_cache(canary, self._tail_blocks):
+                canary.post_forward(view=waves[0])
+                for later in waves[1:]:  # rows that hit prefix blocks written by this forward
+                    canary.pre_forward(view=later)
+                    canary.post_forward(view=later)
             if self._runner_hooks is not None:
                 self._runner_hooks.after_forward(runner=self.runner, step=canary.step)
             self.walker.snapshot = snapshot
@@ -268,9 +264,8 @@ class CanaryWorker:
             sweeps = canary.sweep_passes
             walks = self.walker.walks
             try:
-                canary.end_step()
-                if flips is not None and swept is not None:
-                    flips.write_back(swept)
+                with self._flips_reach_cache(canary, swept):
+                    canary.end_step()
             finally:
                 self.walker.snapshot = None
                 self.figures.sweeps += int(
@@ -281,12 +276,16 @@ class CanaryWorker:
             self._collect()
             self.canary_seconds += time.perf_counter() - t0
 
-    def _mirror_flips(self, canary: Canary) -> KvMirror | None:
-        """The mirror, when a fault injector may flip its bytes (never in production): the flips
-        must reach the cache (`KvMirror.write_back`) or the next re-gather erases them."""
-        if not canary.perturbed or self.sources is None:
-            return None
-        return self.sources.mirror
+    def _flips_reach_cache(
+        self, canary: Canary, blocks: np.ndarray | None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Around a canary call where a fault injector may flip bytes of mirrored sources:
+        `KvMirror.flips_written_back` over `blocks`, so the flips reach the cache instead of
+        being erased by the next re-gather. Nothing at all without an injector (production)."""
+        mirror = self.sources.mirror if self.sources is not None else None
+        if mirror is None or blocks is None or not canary.perturbed:
+            return contextlib.nullcontext()
+        return mirror.flips_written_back(blocks)
 
     def _view(self, slot_mapping: Any) -> ForwardView | None:
         runner = self.runner

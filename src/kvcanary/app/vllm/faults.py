@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvcanary.adapters.vllm.layout import KvMirror
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.adapters.vllm.sweep import SnapshotWalker
 from kvcanary.app.selftest.correlate import Fault
@@ -67,6 +68,8 @@ class VllmFaultInjector:
         self.canary: CanaryState | None = None
         self.runner: Any = None
         self.walker: SnapshotWalker | None = None
+        #: the worker's copy of non-token-major KV bytes (AMX layouts), refreshed after a flip
+        self.mirror: KvMirror | None = None
         self.records: list[PerturbRecord] = []
         self._armed: _Armed | None = None
         self._restore: tuple[int, int, int] | None = None
@@ -219,6 +222,8 @@ class VllmFaultInjector:
         byte = rng.randrange(16)
         offset = int(layout.token_bytes("v", 0, slot % b)[byte])
         kv.view(torch.uint8).view(kv.shape[0], -1)[slot // b, offset] ^= 1 << rng.randrange(8)
+        if self.mirror is not None:  # the canary reads these bytes through the mirror: as a
+            self.mirror.refresh(np.array([slot // b]))  # real fault, the flip shows at once
         return byte
 
     def _note_writes(self, view: ForwardView) -> None:
