@@ -122,3 +122,65 @@ def test_snapshot_walker_walks_only_the_snapshot_bound_for_this_step() -> None:
     assert list(walker.walk()) == [] and walker.missed == 1
     walker.snapshot = snapshot_pool(pool, ledger, b)
     assert list(walker.walk()) == [(4, 0, -1), (5, 1, 4)] and walker.walks == 1
+
+
+class _NoScanList(list):  # type: ignore[type-arg]
+    """The pool's block list; iterating it (a walk over every block) fails the test."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("snapshot_pool walked the whole pool")
+
+
+def _full_scan(pool: _Pool, ledger: ParentLedger) -> tuple[list[tuple[int, ...]], int]:
+    """The snapshot as a scan of every pool block would take it (the earlier implementation)."""
+    rows, skipped = [], 0
+    for blk in pool.blocks:
+        if blk.block_hash is None or blk.is_null:
+            continue
+        e = ledger.entries.get(blk.block_id)
+        if e is None or e.block_hash != blk.block_hash:
+            skipped += e is not None
+            continue
+        if e.parent_id < 0:
+            parent = -1
+        elif pool.blocks[e.parent_id].block_hash == e.parent_hash:
+            parent = e.parent_id
+        else:
+            parent = -2
+        rows.append((blk.block_id, e.index, parent, int(blk.ref_cnt > 0)))
+    return rows, skipped
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_snapshot_reads_only_the_ledger_and_equals_a_scan_of_the_whole_pool(data) -> None:  # type: ignore[no-untyped-def]
+    """Random caching, eviction (hash dropped), re-filling (another hash) and holding: the
+    snapshot equals a scan of every block, without iterating the pool."""
+    n = data.draw(st.integers(3, 24))
+    pool, ledger, epoch = _Pool(n), ParentLedger(), 0
+    for _ in range(data.draw(st.integers(1, 30))):
+        op = data.draw(st.sampled_from(["cache", "evict", "refill", "hold"]))
+        ids = data.draw(st.lists(st.integers(1, n - 1), min_size=1, max_size=5, unique=True))
+        seq = [pool.blocks[i] for i in ids]
+        if op == "cache":
+            for blk in seq:
+                epoch += 1
+                blk.block_hash = f"h{epoch}"
+            start = data.draw(st.integers(0, len(seq) - 1))
+            ledger.note_cached(seq, start, len(seq))
+        elif op == "evict":
+            for blk in seq:
+                blk.block_hash = None
+        elif op == "refill":  # cached again under content the ledger never saw
+            for blk in seq:
+                epoch += 1
+                blk.block_hash = f"x{epoch}"
+        else:
+            for blk in seq:
+                blk.ref_cnt = 1 - blk.ref_cnt
+        want_rows, want_skipped = _full_scan(pool, ledger)
+        guarded = _Pool(0)
+        guarded.blocks = _NoScanList(pool.blocks)
+        snap = snapshot_pool(guarded, ledger, 2)
+        assert [tuple(r) for r in snap.rows.tolist()] == want_rows
+        assert snap.skipped == want_skipped

@@ -67,7 +67,7 @@ class ParentLedger:
 class BlockSnapshot:
     """`rows[i] = (block_id, index, parent, held)`: parent is a block id, `FIRST` or
     `UNREACHABLE`; held is 1 while a running request holds the block. `skipped`: cached blocks
-    the ledger did not know (not swept)."""
+    whose hash is not the one the ledger recorded for them (not swept)."""
 
     rows: npt.NDArray[np.int64]
     block_size: int
@@ -75,17 +75,25 @@ class BlockSnapshot:
 
 
 def snapshot_pool(pool: Any, ledger: ParentLedger, block_size: int) -> BlockSnapshot:
-    """Every cached full block of `pool` whose hash still matches the ledger."""
+    """Every cached full block the ledger recorded whose hash still matches, in block-id order.
+
+    The work is proportional to the ledger (the cached blocks), not to the pool: a sweep every
+    few steps over a pool of 100k blocks would otherwise walk every block in Python. Entries of
+    blocks that lost their hash (evicted, freed) leave the ledger here; a block cached again is
+    recorded again by `note_cached`. `skipped` counts cached blocks whose hash is not the one
+    recorded (provenance unknown: not swept)."""
     blocks = pool.blocks
-    entries = ledger.entries
+    n = len(blocks)
     out: list[tuple[int, int, int, int]] = []
+    gone: list[int] = []
     skipped = 0
-    for blk in blocks:
-        h = blk.block_hash
+    for block_id, e in ledger.entries.items():
+        blk = blocks[block_id] if 0 <= block_id < n else None
+        h = None if blk is None else blk.block_hash
         if h is None or getattr(blk, "is_null", False):
+            gone.append(block_id)
             continue
-        e = entries.get(blk.block_id)
-        if e is None or e.block_hash != h:
+        if h != e.block_hash:
             skipped += 1
             continue
         if e.parent_id < 0:
@@ -94,8 +102,11 @@ def snapshot_pool(pool: Any, ledger: ParentLedger, block_size: int) -> BlockSnap
             parent = e.parent_id
         else:
             parent = UNREACHABLE
-        out.append((int(blk.block_id), e.index, parent, int(blk.ref_cnt > 0)))
+        out.append((block_id, e.index, parent, int(blk.ref_cnt > 0)))
+    for block_id in gone:
+        del ledger.entries[block_id]
     rows = np.array(out, dtype=np.int64).reshape(-1, 4)
+    rows = rows[np.argsort(rows[:, 0], kind="stable")]
     return BlockSnapshot(rows=rows, block_size=block_size, skipped=skipped)
 
 
