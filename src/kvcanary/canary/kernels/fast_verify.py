@@ -94,14 +94,15 @@ def _chain_input(buf, slot, prev):  # type: ignore[no-untyped-def]
 
 
 @internal
-def _plain_bad(buf, slot, prev, exp_pos, exp_tok, hashed):  # type: ignore[no-untyped-def]
-    """1 when entry (fold 0) has a violation bit, else 0; slot 0 is never bad. `hashed` is
-    mix3 of row `_chain_input(buf, slot, prev)`. Same bits as `_verify_one`, without branches."""
+def _entry_bad(buf, slot, prev, exp_pos, exp_tok, hashed, fold):  # type: ignore[no-untyped-def]
+    """1 when entry has a violation bit, else 0; slot 0 is never bad. `hashed` is mix3 of row
+    `_chain_input(buf, slot, prev)`, `fold` the entry's real-KV fold (0 without sources). Same
+    bits as `_verify_one`, without branches."""
     exp_chain = HEAD_HASH_U64 if prev == -1 else hashed
     ok = (
         ((prev == 0) | (buf[slot, 2] == exp_chain))
         & (buf[slot, 1] == uint64(exp_pos))
-        & (buf[slot, 3] == uint64(0))
+        & (buf[slot, 3] == fold)
         & ((exp_tok == -1) | (buf[slot, 0] == uint64(exp_tok)))
     )
     return 0 if ok | (slot == 0) else 1
@@ -177,11 +178,12 @@ def _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c):  # type: ignore[no-untyp
             h1 = mix3(buf[q1, 2], buf[q1, 0], buf[q1, 1])
             h2 = mix3(buf[q2, 2], buf[q2, 0], buf[q2, 1])
             h3 = mix3(buf[q3, 2], buf[q3, 0], buf[q3, 1])
+            z = uint64(0)
             nb += (
-                _plain_bad(buf, a0, p0, v_pos[i], v_tok[i], h0)
-                + _plain_bad(buf, a1, p1, v_pos[i + 1], v_tok[i + 1], h1)
-                + _plain_bad(buf, a2, p2, v_pos[i + 2], v_tok[i + 2], h2)
-                + _plain_bad(buf, a3, p3, v_pos[i + 3], v_tok[i + 3], h3)
+                _entry_bad(buf, a0, p0, v_pos[i], v_tok[i], h0, z)
+                + _entry_bad(buf, a1, p1, v_pos[i + 1], v_tok[i + 1], h1, z)
+                + _entry_bad(buf, a2, p2, v_pos[i + 2], v_tok[i + 2], h2, z)
+                + _entry_bad(buf, a3, p3, v_pos[i + 3], v_tok[i + 3], h3, z)
             )
             i += 4
         while i < hi:
@@ -194,20 +196,48 @@ def _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c):  # type: ignore[no-untyp
 
 @internal
 def _folded_chunk(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, c):  # type: ignore[no-untyped-def]
-    """Entries with a violation in chunk `c`, folding `count` real-KV sources."""
+    """Entries with a violation in chunk `c`, folding `count` real-KV sources; four at a time
+    (each is two serial hash chains, mix3 and fold: eight in straight-line code overlap). Slot 0
+    is folded too (row 0 exists in every source) and never counted bad."""
     n = v_slot.shape[0]
+    lo = c * _CHUNK
+    hi = min(lo + _CHUNK, n)
     bad = 0
-    for i in range(c * _CHUNK, min(c * _CHUNK + _CHUNK, n)):
-        _prefetch_entry(buf, v_slot, i + _PREFETCH_AHEAD, n)
-        if i + _FOLD_AHEAD < n:
-            ahead = v_slot[i + _FOLD_AHEAD]
-            if ahead > 0:
-                prefetch_sources(s0, s1, s2, s3, params, count, ahead)
+    i = lo
+    while i + 4 <= hi:
+        for k in range(4):
+            j = i + k
+            _prefetch_entry(buf, v_slot, j + _PREFETCH_AHEAD, n)
+            if j + _FOLD_AHEAD < n:
+                ahead = v_slot[j + _FOLD_AHEAD]
+                if ahead > 0:
+                    prefetch_sources(s0, s1, s2, s3, params, count, ahead)
+        a0, a1, a2, a3 = v_slot[i], v_slot[i + 1], v_slot[i + 2], v_slot[i + 3]
+        p0, p1, p2, p3 = v_prev[i], v_prev[i + 1], v_prev[i + 2], v_prev[i + 3]
+        q0, q1 = _chain_input(buf, a0, p0), _chain_input(buf, a1, p1)
+        q2, q3 = _chain_input(buf, a2, p2), _chain_input(buf, a3, p3)
+        h0 = mix3(buf[q0, 2], buf[q0, 0], buf[q0, 1])
+        h1 = mix3(buf[q1, 2], buf[q1, 0], buf[q1, 1])
+        h2 = mix3(buf[q2, 2], buf[q2, 0], buf[q2, 1])
+        h3 = mix3(buf[q3, 2], buf[q3, 0], buf[q3, 1])
+        f0 = fold_sources(s0, s1, s2, s3, params, count, a0)
+        f1 = fold_sources(s0, s1, s2, s3, params, count, a1)
+        f2 = fold_sources(s0, s1, s2, s3, params, count, a2)
+        f3 = fold_sources(s0, s1, s2, s3, params, count, a3)
+        bad += (
+            _entry_bad(buf, a0, p0, v_pos[i], v_tok[i], h0, f0)
+            + _entry_bad(buf, a1, p1, v_pos[i + 1], v_tok[i + 1], h1, f1)
+            + _entry_bad(buf, a2, p2, v_pos[i + 2], v_tok[i + 2], h2, f2)
+            + _entry_bad(buf, a3, p3, v_pos[i + 3], v_tok[i + 3], h3, f3)
+        )
+        i += 4
+    while i < hi:
         slot = v_slot[i]
         if slot != 0:
             fold = fold_sources(s0, s1, s2, s3, params, count, slot)
             if not _entry_ok(buf, slot, v_prev[i], v_pos[i], v_tok[i], fold):
                 bad += 1
+        i += 1
     return bad
 
 
