@@ -153,12 +153,15 @@ def test_fast_and_reference_kernels_are_byte_equal(b: dict[str, Any]) -> None:
 
 def test_generator_reaches_the_interesting_cases() -> None:
     """Guard against a vacuous property: the strategy produces violations, overflows and errors."""
-    seen = {"violations": 0, "overflow": 0, "error": 0, "ring_full": 0}
+    seen = {"violations": 0, "overflow": 0, "error": 0, "ring_full": 0, "uniform": 0,
+            "per_source": 0}  # fmt: skip
 
     @settings(max_examples=300, deadline=None, database=None, derandomize=True)
     @given(batches())
     def probe(b: dict[str, Any]) -> None:
         r = run(fast, b)
+        if b["sources"].count:  # both fold paths of the kernels (`FoldSources` params column 4)
+            seen["uniform" if b["sources"].params[0, 4] else "per_source"] += 1
         if "error" in r:
             seen["error"] += 1
             return
@@ -168,6 +171,69 @@ def test_generator_reaches_the_interesting_cases() -> None:
 
     probe()
     assert all(v > 0 for v in seen.values()), seen
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    pages=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    nbpts=st.lists(st.sampled_from([16, 32]), min_size=4, max_size=4),
+    reads=st.lists(st.sampled_from([16, 32]), min_size=4, max_size=4),
+    mode=st.sampled_from([RealDataMode.PARTIAL, RealDataMode.ALL]),
+)
+def test_sources_take_the_one_geometry_fold_exactly_when_they_share_it(
+    pages: list[int], nbpts: list[int], reads: list[int], mode: RealDataMode
+) -> None:
+    """`params[:, 4]` (the kernels' one-tile-position fold) is 1 exactly when every source has
+    one power-of-two page size and words per token and 16 bytes are read."""
+    sources = [
+        RealKvSource(torch.zeros(4, page * nbpt, dtype=torch.uint8), page, nbpt, min(read, nbpt))
+        for page, nbpt, read in zip(pages, nbpts, reads, strict=False)
+    ]
+    params = FoldSources.build(sources, mode).params
+    reads_16 = [16 if mode is RealDataMode.PARTIAL else s.read_bytes for s in sources]
+    same = len(set(pages)) == 1 and len(set(nbpts[: len(pages)])) == 1 and set(reads_16) == {16}
+    expected = same and pages[0] & (pages[0] - 1) == 0
+    assert params[:, 4].tolist() == [int(expected)] * len(params)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), count=st.integers(1, 4), page=st.sampled_from([1, 2, 32]),
+       entries=st.integers(1, 700), corrupt=st.integers(0, 3))  # fmt: skip
+def test_one_geometry_fold_equals_the_per_source_fold(
+    seed: int, count: int, page: int, entries: int, corrupt: int
+) -> None:
+    """Verify and write with `count` sources of one geometry (vLLM's heads of one layer): the
+    kernels' one-tile-position path leaves the buffers and rings the reference leaves, over
+    hundreds of entries (the four-at-a-time loops) with a few corrupted KV bytes."""
+    rng = np.random.default_rng(seed)
+    num_slots = 1 + entries + int(rng.integers(0, 40))
+    rows = (num_slots + page - 1) // page
+    tensors = [torch.from_numpy(rng.integers(0, 256, size=(rows, page * 32), dtype=np.uint8))
+               for _ in range(count)]  # fmt: skip
+    src = FoldSources.build([RealKvSource(t, page, 32, 32) for t in tensors], RealDataMode.PARTIAL)
+    assert src.params[0, 4] == 1
+    slots = rng.permutation(np.arange(1, num_slots))[:entries].astype(np.int64)
+    zeros, ones = np.zeros(1, dtype=np.int64), np.full(1, -1, dtype=np.int64)
+    outputs = []
+    for kernels in (reference, fast, FAST_SERIAL):
+        buf = np.zeros((num_slots, 4), dtype=np.uint64)
+        ring = np.zeros((8, 8), dtype=np.uint64)
+        state = np.zeros(1, dtype=np.int64)
+        args = (*src.words, src.params, src.count, 2, ring, state)
+        ids, pos = slots % 97, np.arange(len(slots), dtype=np.int64)
+        kernels.write(buf, ones, np.array([0, len(slots)]), slots, False, ids, pos, False, zeros,
+                      zeros, False, *args)  # fmt: skip
+        for t in tensors[:corrupt]:  # flip a byte of some entries' tiles after the write
+            s = int(slots[len(slots) // 2])
+            t[s // page, (s % page) * 32] ^= 1
+        prevs = np.concatenate([[-1], slots[:-1]])
+        kernels.verify(buf, slots, prevs, pos, ids, *args)
+        for t in tensors[:corrupt]:
+            s = int(slots[len(slots) // 2])
+            t[s // page, (s % page) * 32] ^= 1
+        outputs.append((buf.tobytes(), ring.tobytes(), int(state[0])))
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+    assert outputs[0][2] == min(corrupt, 1)  # one entry's fold differs when any source changed
 
 
 @st.composite

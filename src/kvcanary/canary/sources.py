@@ -34,8 +34,10 @@ def source_words(source: RealKvSource) -> npt.NDArray[np.uint64]:
 class FoldSources:
     """Up to four sources in hash order, as kernel arguments.
 
-    `params[i] = (page_size, words_per_token, words_read, page_shift)`; unused entries point at a
-    dummy array. `words_read` is 2 (16 bytes) under PARTIAL and `read_bytes // 8` under ALL;
+    `params[i] = (page_size, words_per_token, words_read, page_shift, uniform)`; unused entries
+    point at a dummy array. `uniform` is 1 in every row when all sources share one power-of-two
+    page size and words per token and read 16 bytes (PARTIAL over the heads of one layer, the
+    common case): the kernels then fold every source from one tile position. `words_read` is 2 (16 bytes) under PARTIAL and `read_bytes // 8` under ALL;
     `page_shift` is log2(page_size) for a power of two (the kernels then shift instead of
     dividing), else -1.
     """
@@ -58,14 +60,21 @@ class FoldSources:
                 f"got {len(sources)}"
             )
         used = () if mode is RealDataMode.NONE else tuple(sources)
-        params = np.zeros((MAX_SOURCES_PER_HALF, 4), dtype=np.int64)
+        params = np.zeros((MAX_SOURCES_PER_HALF, 5), dtype=np.int64)
         words: list[npt.NDArray[np.uint64]] = []
         for i, src in enumerate(used):
             read = _PARTIAL_BYTES if mode is RealDataMode.PARTIAL else src.read_bytes
             page = src.page_size
             shift = page.bit_length() - 1 if page & (page - 1) == 0 else -1
-            params[i] = (page, src.num_bytes_per_token // 8, read // 8, shift)
+            params[i] = (page, src.num_bytes_per_token // 8, read // 8, shift, 0)
             words.append(source_words(src))
+        used_rows = params[: len(used)]
+        if (
+            len(used)
+            and (used_rows[:, [0, 1, 2, 3]] == used_rows[0, [0, 1, 2, 3]]).all()
+            and (used_rows[0, 2] == _PARTIAL_BYTES // 8 and used_rows[0, 3] >= 0)
+        ):
+            params[:, 4] = 1
         padded = words + [_DUMMY_WORDS] * (MAX_SOURCES_PER_HALF - len(words))
         return cls(words=tuple(padded), params=params, count=len(used))
 

@@ -127,9 +127,50 @@ def _prefetch_tile(words, page_size, shift, per_token, nread, slot):  # type: ig
 
 
 @internal
+def _fold_pair(words, row, col):  # type: ignore[no-untyped-def]
+    """`_fold_one` of a two-word (16-byte) tile."""
+    return splitmix64(splitmix64(uint64(0) ^ words[row, col]) ^ words[row, col + 1])
+
+
+@internal
+def fold_uniform(s0, s1, s2, s3, count, page, shift, per_token, slot):  # type: ignore[no-untyped-def]
+    """`fold_sources` when every source shares one power-of-two page geometry and reads 16
+    bytes (`params[:, 4] == 1`): one tile position, no per-source parameters or loops."""
+    row, col = slot >> shift, (slot & (page - 1)) * per_token
+    acc = uint64(0)
+    if count > 0:
+        acc = splitmix64(acc ^ _fold_pair(s0, row, col))
+    if count > 1:
+        acc = splitmix64(acc ^ _fold_pair(s1, row, col))
+    if count > 2:
+        acc = splitmix64(acc ^ _fold_pair(s2, row, col))
+    if count > 3:
+        acc = splitmix64(acc ^ _fold_pair(s3, row, col))
+    return acc
+
+
+@internal
+def prefetch_uniform(s0, s1, s2, s3, count, page, shift, per_token, slot):  # type: ignore[no-untyped-def]
+    """`prefetch_sources` under `fold_uniform`'s geometry (the first word of each tile: a
+    16-byte tile of a row whose stride is a multiple of 16 bytes is in one cache line)."""
+    row, col = slot >> shift, (slot & (page - 1)) * per_token
+    if count > 0:
+        _prefetch_word(s0, row, col)
+    if count > 1:
+        _prefetch_word(s1, row, col)
+    if count > 2:
+        _prefetch_word(s2, row, col)
+    if count > 3:
+        _prefetch_word(s3, row, col)
+
+
+@internal
 def prefetch_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-untyped-def]
     """Prefetch every source tile `fold_sources` reads for `slot` (real-KV rows are far apart
     in memory, so a fold over many entries is otherwise one DRAM latency per entry)."""
+    if params[0, 4] != 0:
+        prefetch_uniform(s0, s1, s2, s3, count, params[0, 0], params[0, 3], params[0, 1], slot)
+        return
     if count > 0:
         _prefetch_tile(s0, params[0, 0], params[0, 3], params[0, 1], params[0, 2], slot)
     if count > 1:
@@ -142,6 +183,10 @@ def prefetch_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-un
 
 @njit(cache=True)
 def fold_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-untyped-def]
+    """The real-KV fold of `slot` over `count` sources (SPEC §4); `params` as built by
+    `kvcanary.canary.sources.FoldSources`."""
+    if params[0, 4] != 0:  # one geometry, 16-byte reads: 2-4x faster in the verify loops
+        return fold_uniform(s0, s1, s2, s3, count, params[0, 0], params[0, 3], params[0, 1], slot)
     acc = uint64(0)
     if count > 0:
         acc = splitmix64(
