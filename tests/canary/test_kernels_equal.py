@@ -236,6 +236,86 @@ def test_one_geometry_fold_equals_the_per_source_fold(
     assert outputs[0][2] == min(corrupt, 1)  # one entry's fold differs when any source changed
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), entries=st.integers(1, 600), sources=st.integers(0, 2))
+def test_a_strided_record_buffer_verifies_like_the_reference(
+    seed: int, entries: int, sources: int
+) -> None:
+    """A record buffer that is a strided view (not the canary's own C-contiguous layout, where
+    the verify loops index one flat array) gives the reference's ring."""
+    rng = np.random.default_rng(seed)
+    num_slots = entries + 8
+    wide = rng.integers(0, 4, size=(num_slots, 5)).astype(np.uint64)  # words 0..3: few values
+    buf = wide[:, :4]
+    assert not buf.flags.c_contiguous
+    tensors = [torch.from_numpy(rng.integers(0, 256, size=(num_slots, 32), dtype=np.uint8))
+               for _ in range(sources)]  # fmt: skip
+    src = FoldSources.build([RealKvSource(t, 1, 32, 16) for t in tensors], RealDataMode.PARTIAL)
+    slots = rng.integers(0, num_slots, size=entries).astype(np.int64)
+    prevs = np.where(rng.random(entries) < 0.3, rng.integers(-1, 1, size=entries),
+                     np.concatenate([[-1], slots[:-1]])).astype(np.int64)  # fmt: skip
+    pos = rng.integers(0, 4, size=entries).astype(np.int64)
+    tok = rng.integers(-1, 4, size=entries).astype(np.int64)
+    rings = []
+    for verify in (reference.verify, fast.verify, fast.verify_serial):
+        ring = np.zeros((700, 8), dtype=np.uint64)
+        state = np.zeros(1, dtype=np.int64)
+        verify(buf, slots, prevs, pos, tok, *src.words, src.params, src.count, 2, ring, state)
+        rings.append((ring.tobytes(), int(state[0])))
+    assert rings[1] == rings[0] and rings[2] == rings[0]
+
+
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), entries=st.integers(2, 900),
+       fault=st.sampled_from(["token", "position", "chain", "real_kv", "head"]),
+       consecutive=st.booleans(), data=st.data())  # fmt: skip
+def test_a_lone_violation_among_clean_entries_is_found_in_every_verify_path(
+    seed: int, entries: int, fault: str, consecutive: bool, data: st.DataObject
+) -> None:
+    """One bad entry among hundreds of clean ones, in scattered or consecutive slots (the
+    gather and unit-stride loops): the fast kernels only count violations in parallel and
+    record them in a second pass, so a loop that misses the lone one records nothing."""
+    rng = np.random.default_rng(seed)
+    num_slots = entries + 2
+    order = np.arange(1, entries + 1) if consecutive else rng.permutation(entries) + 1
+    slots = order.astype(np.int64)
+    prevs = np.concatenate([[-1], slots[:-1]]).astype(np.int64)
+    pos = np.arange(entries, dtype=np.int64)
+    tok = rng.integers(0, 1000, size=entries).astype(np.int64)
+    buf = np.zeros((num_slots, 4), dtype=np.uint64)
+    ring = np.zeros((4, 8), dtype=np.uint64)
+    state = np.zeros(1, dtype=np.int64)
+    src = FoldSources.empty()
+    z = np.zeros(entries, dtype=np.int64)
+    reference.write(buf, np.full(1, -1, dtype=np.int64), np.array([0, entries]), slots, False,
+                    tok, pos, False, z, z, False, *src.words, src.params, src.count, 2, ring,
+                    state)  # fmt: skip
+    assert int(state[0]) == 0
+    i = data.draw(st.integers(0, entries - 1), label="bad entry")
+    if fault == "token":
+        tok = tok.copy()
+        tok[i] += 1
+    elif fault == "position":
+        pos = pos.copy()
+        pos[i] += 1
+    elif fault == "chain":  # the predecessor's record changed: entry i's chain hash fails
+        i = max(i, 1)
+        buf[slots[i - 1], 0] ^= np.uint64(1 << 40)
+    elif fault == "real_kv":
+        buf[slots[i], 3] = np.uint64(7)
+    else:  # a chain head whose stored PREV_HASH is not HEAD_HASH
+        i = 0
+        buf[slots[0], 2] ^= np.uint64(1)
+    rings = []
+    for verify in (reference.verify, fast.verify, fast.verify_serial):
+        ring = np.zeros((4, 8), dtype=np.uint64)
+        state = np.zeros(1, dtype=np.int64)
+        verify(buf, slots, prevs, pos, tok, *src.words, src.params, src.count, 2, ring, state)
+        rings.append((ring.tobytes(), int(state[0])))
+    assert rings[0][1] >= 1  # the fault is a violation
+    assert rings[1] == rings[0] and rings[2] == rings[0]
+
+
 @st.composite
 def chain_runs(draw: st.DrawFn) -> dict[str, Any]:
     """Requests whose write slots run consecutively for hundreds of entries (the kernels' lockstep

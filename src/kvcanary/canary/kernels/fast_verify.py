@@ -2,15 +2,17 @@
 entries, then record violations in plan order by a serial pass (SPEC §5).
 
 Performance (bench/kernels.py): verify prefetches record rows ahead (random slot orders are
-otherwise DRAM-latency bound) and, without real-KV sources, checks runs of consecutive slots with
-a vectorized loop (unit-stride row loads, not gathers) and other entries four per step with
-branch-free code so their mix3 chains overlap.
+otherwise DRAM-latency bound). Without real-KV sources, runs of consecutive slots are checked by a
+vectorized loop with unit-stride row loads and other entries by a vectorized loop with gathers
+(random verify 2.4-2.7x -> 2.0-2.2x its floor, 2 threads); with sources, four entries per step
+in branch-free code, so their mix3 and fold chains overlap.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, uint64
+from numba.extending import overload
 
 from kvcanary.canary.kernels._intrinsics import (
     _PREFETCH_AHEAD,
@@ -28,12 +30,6 @@ from kvcanary.canary.kernels._intrinsics import (
 _FOLD_AHEAD = 32  # entries: real-KV tiles are requested this far ahead of their fold
 
 _CHUNK = 256  # verify entries per chunk (a consecutive chunk is checked vectorized)
-
-#: entries: how far ahead the four-at-a-time loop requests random rows. Sixteen (the shared
-#: `_PREFETCH_AHEAD`) is about 50 ns of this loop's work, less than one DRAM access plus its page
-#: walk; at 64, bench/kernels.py's random verify went from 2.49-2.55x to 2.26-2.28x of its floor
-#: (2 threads, 1M slots, two A/B runs on one machine).
-_PLAIN_AHEAD = 64
 
 
 @internal
@@ -110,6 +106,19 @@ def _entry_bad(buf, slot, prev, exp_pos, exp_tok, hashed, fold):  # type: ignore
     return 0 if ok | (slot == 0) else 1
 
 
+def _flat_rows(buf):  # type: ignore[no-untyped-def]
+    """`buf` (a `[n, 4]` record buffer) as one flat array: word `c` of row `r` at `4 * r + c`."""
+    raise NotImplementedError  # compiled only, through the overload below
+
+
+@overload(_flat_rows)
+def _flat_rows_impl(buf):  # type: ignore[no-untyped-def]
+    if buf.layout == "C":  # the canary's own buffers: a view, and constant-stride gathers
+        return lambda buf: buf.reshape(-1)
+    # any other layout (a caller's strided view): a contiguous copy, read-only use
+    return lambda buf: np.ascontiguousarray(buf).reshape(-1)
+
+
 @internal
 def _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi):  # type: ignore[no-untyped-def]
     """(bad entries, 0) of entries `lo:hi` when their slots run consecutively from `v_slot[lo]`
@@ -149,13 +158,41 @@ def _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi):  # type: ignore[no-un
 
 
 @internal
+def _plain_lanes(buf, slots, prevs, poss, toks):  # type: ignore[no-untyped-def]
+    """Entries of `slots` (a chunk's slice) with a violation, no real-KV sources (fold 0): one
+    branch-free loop that LLVM vectorizes with gathers (four entries per AVX2/AVX-512 lane
+    group, mix3 in vector multiplies), for chunks whose slots do not run consecutively.
+
+    Each entry loads its chain input row (`_chain_input`) and its own row; rows are indexed
+    with unsigned integers so numba emits no negative-index wraparound (every slot and prev is
+    range-checked before a kernel runs, SPEC §14.2). Same bits as `_entry_bad`."""
+    nb = 0
+    flat = _flat_rows(buf)
+    for k in range(slots.shape[0]):
+        s, p, t = slots[k], prevs[k], toks[k]
+        q = uint64(s if (p == 0) | (p == -1) else p) * uint64(4)
+        u = uint64(s) * uint64(4)
+        h = mix3(flat[q + uint64(2)], flat[q], flat[q + uint64(1)])
+        exp_chain = HEAD_HASH_U64 if p == -1 else h
+        ok = (
+            ((p == 0) | (flat[u + uint64(2)] == exp_chain))
+            & (flat[u + uint64(1)] == uint64(poss[k]))
+            & (flat[u + uint64(3)] == uint64(0))
+            & ((t == -1) | (flat[u] == uint64(t)))
+        )
+        nb += 0 if ok | (s == 0) else 1
+    return nb
+
+
+@internal
 def _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c):  # type: ignore[no-untyped-def]
     """Entries with a violation in chunk `c` (`_CHUNK` entries), no real-KV sources (fold 0).
 
     A chunk whose slots run consecutively (chains over contiguous rows) goes through
-    `_plain_run`, vectorized. Any other chunk is checked four entries at a time, prefetching rows
-    ahead: their four mix3 chains are independent straight-line code, so the CPU overlaps them
-    (one mix3 alone is a ~40-cycle dependency chain).
+    `_plain_run`, vectorized with unit-stride loads. Any other chunk first requests the rows of
+    the next chunk (random rows are otherwise one DRAM latency each; the next chunk is usually
+    this thread's next one, prange hands each thread a contiguous range) and is then checked by
+    `_plain_lanes`, vectorized with gathers.
     """
     n = v_slot.shape[0]
     lo = c * _CHUNK
@@ -167,32 +204,9 @@ def _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c):  # type: ignore[no-untyp
     if (first >= 1) & (last - first == hi - 1 - lo) & (last < buf.shape[0]):
         nb, nmis = _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi)
     if nmis != 0:
-        nb = 0
-        i = lo
-        while i + 4 <= hi:
-            for k in range(4):
-                _prefetch_entry(buf, v_slot, i + k + _PLAIN_AHEAD, n)
-            a0, a1, a2, a3 = v_slot[i], v_slot[i + 1], v_slot[i + 2], v_slot[i + 3]
-            p0, p1, p2, p3 = v_prev[i], v_prev[i + 1], v_prev[i + 2], v_prev[i + 3]
-            q0, q1 = _chain_input(buf, a0, p0), _chain_input(buf, a1, p1)
-            q2, q3 = _chain_input(buf, a2, p2), _chain_input(buf, a3, p3)
-            h0 = mix3(buf[q0, 2], buf[q0, 0], buf[q0, 1])
-            h1 = mix3(buf[q1, 2], buf[q1, 0], buf[q1, 1])
-            h2 = mix3(buf[q2, 2], buf[q2, 0], buf[q2, 1])
-            h3 = mix3(buf[q3, 2], buf[q3, 0], buf[q3, 1])
-            z = uint64(0)
-            nb += (
-                _entry_bad(buf, a0, p0, v_pos[i], v_tok[i], h0, z)
-                + _entry_bad(buf, a1, p1, v_pos[i + 1], v_tok[i + 1], h1, z)
-                + _entry_bad(buf, a2, p2, v_pos[i + 2], v_tok[i + 2], h2, z)
-                + _entry_bad(buf, a3, p3, v_pos[i + 3], v_tok[i + 3], h3, z)
-            )
-            i += 4
-        while i < hi:
-            slot = v_slot[i]
-            if slot != 0 and not _entry_ok(buf, slot, v_prev[i], v_pos[i], v_tok[i], uint64(0)):
-                nb += 1
-            i += 1
+        for j in range(hi, min(hi + _CHUNK, n)):
+            _prefetch_entry(buf, v_slot, j, n)
+        nb = _plain_lanes(buf, v_slot[lo:hi], v_prev[lo:hi], v_pos[lo:hi], v_tok[lo:hi])
     return nb
 
 
