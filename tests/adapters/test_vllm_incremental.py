@@ -74,7 +74,7 @@ def test_incremental_req_to_token_sees_an_edit_of_a_block_it_expanded_before() -
     bt[0, 0] = 0  # the null block reads as slot 0
     bt[0, 1] = 5
     assert prep.run(bt, 1, np.array([3]), one, np.array([11]))[1, :4].tolist() == [0, 0, 10, 11]
-    assert sorted(prep.tail_blocks.tolist()) == [0, 5, 5] and not prep.cross
+    assert sorted(prep.tail_blocks.tolist()) == [0, 5] and not prep.cross
 
 
 def _random_case(rng: np.random.Generator, b: int):
@@ -109,6 +109,9 @@ def test_block_level_wave_test_never_misses_a_split_and_tail_covers_tail(seed: i
     read = {int(s) // b for r in range(n) for s in r2t[r + 1, : computed[r]]}
     read |= {int(s) // b for s in slots if s >= 0}
     assert {x for x in read if x < 6} <= set(prep.tail_blocks.tolist())
+    tail = prep.tail_blocks.tolist()
+    assert len(tail) == len(set(tail))  # each block once: TAIL's mirror re-gathers each once
+    assert not prep._listed.any()  # the scratch is clean between calls
     assert prep.min_slot == min(0, int(slots.min()) if slots.size else 0)
 
 

@@ -104,7 +104,7 @@ def test_one_flipped_byte_in_the_live_cache_is_reported_at_exactly_its_slot(
     rng = np.random.default_rng(0)
 
     def forward(view, n_tokens, slots):
-        blocks = np.unique(view.req_to_token.numpy() // B)
+        blocks = np.unique(np.asarray(view.req_to_token) // B)
         if sources.mirror:
             sources.mirror.refresh(blocks)
         canary.pre_forward(view=view)

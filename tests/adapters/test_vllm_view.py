@@ -10,7 +10,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcanary.adapters.vllm.sweep import ParentLedger, SnapshotWalker, expand, snapshot_pool
+from kvcanary.adapters.vllm.sweep import (
+    BlockSnapshot,
+    ParentLedger,
+    SnapshotWalker,
+    expand,
+    snapshot_pool,
+)
 from kvcanary.adapters.vllm.view import build_forward_view, paged_req_to_token, split_waves
 
 
@@ -184,3 +190,39 @@ def test_the_snapshot_reads_only_the_ledger_and_equals_a_scan_of_the_whole_pool(
         snap = snapshot_pool(guarded, ledger, 2)
         assert [tuple(r) for r in snap.rows.tolist()] == want_rows
         assert snap.skipped == want_skipped
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 500),
+            st.integers(0, 50),
+            st.sampled_from([-2, -1, 0, 3, 77]),
+            st.integers(0, 1),
+        ),
+        max_size=12,
+    ),
+    block_size=st.sampled_from([1, 2, 16, 32]),
+    unlocked_only=st.booleans(),
+)
+def test_expand_lists_each_block_slot_linked_to_its_predecessor(
+    rows: list[tuple[int, int, int, int]], block_size: int, unlocked_only: bool
+) -> None:
+    """The compiled expansion equals the walk written out slot by slot: slots in block order,
+    positions from the block's index, prev the slot before, and a block's first slot linked to
+    its parent's last slot (-1 for a first block, 0 when the parent is unreachable)."""
+    b = block_size
+    snap = BlockSnapshot(rows=np.array(rows, dtype=np.int64).reshape(-1, 4), block_size=b)
+    want = []
+    for block, index, parent, held in rows:
+        if unlocked_only and held:
+            continue
+        for j in range(b):
+            prev = block * b + j - 1
+            if j == 0:
+                prev = parent * b + b - 1 if parent >= 0 else (-1 if parent == -1 else 0)
+            want.append((block * b + j, index * b + j, prev))
+    got = expand(snap, unlocked_only)
+    assert got.dtype == np.int64 and got.shape == (len(want), 3)
+    assert [tuple(r) for r in got.tolist()] == want

@@ -33,6 +33,7 @@ __all__ = [
 
 I64 = npt.NDArray[np.int64]
 _NO_WINDOW = 1 << 62
+_INT64 = np.dtype(np.int64)
 _SMALL_BATCH = 32  # rows up to which the per-forward row checks run on Python lists
 
 
@@ -69,6 +70,8 @@ def int64_copy(name: str, value: Any) -> I64:
     a CPU int64 tensor, the common case, takes the short path."""
     # `ndim` and `is_cpu` are plain attributes (no call, no device object), and `detach` is
     # needed only for a tensor that requires grad: a few hundred ns per array, six per forward.
+    if type(value) is np.ndarray and value.dtype == _INT64 and value.ndim == 1:
+        return value.copy()
     if (
         type(value) is torch.Tensor
         and value.dtype is torch.int64

@@ -24,7 +24,7 @@ I64 = npt.NDArray[np.int64]
 
 @njit(cache=True)
 def _prep(  # type: ignore[no-untyped-def]
-    bt, num_reqs, nblocks, computed, scheduled, slots, b, table, seen, owner, tail
+    bt, num_reqs, nblocks, computed, scheduled, slots, b, table, seen, owner, listed, tail
 ):  # fmt: skip
     """Returns `(tail entries, cross, min slot)`; see `StepPrep.run`."""
     n_cache = owner.shape[0]
@@ -58,8 +58,10 @@ def _prep(  # type: ignore[no-untyped-def]
                     owner[blk] = r
                 elif owner[blk] != r:
                     cross = True  # two rows write one block
-            tail[k] = blk
-            k += 1
+            if not listed[blk]:  # each block once: a prefill chunk writes 32 slots of a block
+                listed[blk] = True
+                tail[k] = blk
+                k += 1
     for r in range(num_reqs):  # 3. prefix blocks: TAIL verifies them; a cross-row hit?
         p = np.int64(computed[r])
         nb = min((p + b - 1) // b, width) if p > 0 else 0
@@ -71,8 +73,12 @@ def _prep(  # type: ignore[no-untyped-def]
             w = owner[v]
             if w != -1 and w != r:
                 cross = True
-            tail[k] = v
-            k += 1
+            if not listed[v]:  # shared prefix blocks, and a row's own last (written) block
+                listed[v] = True
+                tail[k] = v
+                k += 1
+    for i in range(k):
+        listed[tail[i]] = False
     t = 0
     for r in range(num_reqs):  # 4. reset the scratch
         for _ in range(max(np.int64(scheduled[r]), 0)):
@@ -111,7 +117,7 @@ def batch_shape(query_start_loc: npt.NDArray[np.integer[Any]],
 class StepPrep:
     """Per-worker state of the compiled pass: the persistent `req_to_token` (row `r + 1` is
     persistent-batch row `r`, as `view.paged_req_to_token` builds it), the block ids it expands,
-    and a per-cache-block scratch (always all -1 between calls)."""
+    and two per-cache-block scratches (all -1 and all False between calls)."""
 
     def __init__(self, block_table: npt.NDArray[np.integer[Any]], block_size: int,
                  num_cache_blocks: int) -> None:  # fmt: skip
@@ -119,6 +125,7 @@ class StepPrep:
         self._rows = block_table.shape[0]
         self._grow(1)
         self._owner = np.full(num_cache_blocks, -1, dtype=np.int64)
+        self._listed = np.zeros(num_cache_blocks, dtype=np.bool_)
         self.tail_blocks: I64 = np.zeros(0, dtype=np.int64)
         self.cross = False
         self.min_slot = 0
@@ -134,7 +141,7 @@ class StepPrep:
             need: int | None = None) -> I64:  # fmt: skip
         """Sync rows `1..num_reqs` of `table` over the blocks this forward reaches and return
         `table[: num_reqs + 1]`. Afterwards `tail_blocks` lists the cache blocks TAIL reads
-        (each row's `[0, computed)` and the written slots' blocks; repeats possible), `cross` is
+        (each row's `[0, computed)` and the written slots' blocks; each block once), `cross` is
         False only when no row's prefix block is written by another row in this forward (then
         the forward is one canary wave), and `min_slot` is the smallest slot (0 if none below).
         `need` is the longest row's `computed + scheduled` when the caller knows it."""
@@ -149,6 +156,7 @@ class StepPrep:
                              f"{self._seen.shape[0]}")  # fmt: skip
         tail = np.empty(num_reqs * block_table.shape[1] + len(slots), dtype=np.int64)
         k, cross, low = _prep(block_table, num_reqs, nblocks, computed, scheduled, slots, b,
-                              self.table, self._seen, self._owner, tail)  # fmt: skip
+                              self.table, self._seen, self._owner, self._listed,
+                              tail)  # fmt: skip
         self.tail_blocks, self.cross, self.min_slot = tail[:k], bool(cross), int(low)
         return self.table[: num_reqs + 1]

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from numba import njit
 
 __all__ = ["BlockSnapshot", "LedgerEntry", "ParentLedger", "SnapshotWalker", "snapshot_pool"]
 
@@ -110,19 +111,41 @@ def snapshot_pool(pool: Any, ledger: ParentLedger, block_size: int) -> BlockSnap
     return BlockSnapshot(rows=rows, block_size=block_size, skipped=skipped)
 
 
+@njit(cache=True)
+def _expand(rows, b, unlocked_only):  # type: ignore[no-untyped-def]
+    """`expand` in one compiled pass (a dozen NumPy calls per sweep otherwise)."""
+    n = 0
+    for i in range(rows.shape[0]):
+        n += b if not unlocked_only or rows[i, 3] == 0 else 0
+    out = np.empty((n, 3), dtype=np.int64)
+    k = 0
+    for i in range(rows.shape[0]):
+        if unlocked_only and rows[i, 3] != 0:
+            continue
+        block, index, parent = rows[i, 0], rows[i, 1], rows[i, 2]
+        for j in range(b):
+            out[k, 0] = block * b + j
+            out[k, 1] = index * b + j
+            out[k, 2] = block * b + j - 1
+            k += 1
+        first = k - b
+        if parent >= 0:
+            out[first, 2] = parent * b + b - 1
+        elif parent == FIRST:
+            out[first, 2] = -1
+        else:
+            out[first, 2] = 0  # UNREACHABLE: the chain check of the block's first slot is off
+    return out
+
+
 def expand(snapshot: BlockSnapshot, unlocked_only: bool = False) -> npt.NDArray[np.int64]:
-    """The snapshot as canary walker entries, `[n, 3]` rows of `(slot, position, prev_slot)`."""
-    rows = snapshot.rows
-    if unlocked_only:
-        rows = rows[rows[:, 3] == 0]
-    b = snapshot.block_size
-    j = np.arange(b, dtype=np.int64)
-    slots = rows[:, :1] * b + j
-    positions = rows[:, 1:2] * b + j
-    prev = slots - 1
-    parent = rows[:, 2]
-    prev[:, 0] = np.where(parent >= 0, parent * b + b - 1, np.where(parent == FIRST, -1, 0))
-    return np.stack([slots.ravel(), positions.ravel(), prev.ravel()], axis=1)
+    """The snapshot as canary walker entries, `[n, 3]` rows of `(slot, position, prev_slot)`:
+    each block's slots in order, the first one linked to its parent block's last slot (-1 for
+    a sequence's first block, 0 when the parent is unreachable)."""
+    out: npt.NDArray[np.int64] = _expand(
+        np.ascontiguousarray(snapshot.rows, dtype=np.int64), snapshot.block_size, unlocked_only
+    )
+    return out
 
 
 class SnapshotWalker:

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from kvcanary.contract.view import ForwardView
 
@@ -80,14 +79,16 @@ def build_forward_view(
     if min_slot < -1:
         slots = slots.copy()
         slots[slots < 0] = -1
+    # NumPy arrays, not tensors: the canary takes both, and a tensor wrapper per array is a
+    # microsecond each way on every forward
     return ForwardView(
-        rows=torch.arange(1, num_reqs + 1, dtype=torch.int64),
-        prefix_lens=torch.from_numpy(prefix),
-        extend_lens=torch.from_numpy(extend),
-        input_ids=torch.from_numpy(np.asarray(input_ids[:total], dtype=np.int64)),
-        positions=torch.from_numpy(np.asarray(positions[:total], dtype=np.int64)),
-        out_slots=torch.from_numpy(slots),
-        req_to_token=torch.from_numpy(req_to_token),
+        rows=np.arange(1, num_reqs + 1, dtype=np.int64),
+        prefix_lens=prefix,
+        extend_lens=extend,
+        input_ids=np.asarray(input_ids[:total], dtype=np.int64),
+        positions=np.asarray(positions[:total], dtype=np.int64),
+        out_slots=slots,
+        req_to_token=np.asarray(req_to_token),
         truth_tokens=truth_tokens,
         mutable=False,
     )
@@ -104,15 +105,15 @@ def split_waves(view: ForwardView) -> list[ForwardView]:
     verify range)`; wave 0 runs around the model forward, later waves run after it (their HEAD
     checks then happen after the model, still before sampling). One wave: `[view]` unchanged.
     """
-    rows = view.rows.numpy()
+    rows = np.asarray(view.rows)
     n = len(rows)
     if n < 2:
         return [view]
-    prefix = view.prefix_lens.numpy()
-    extend = np.maximum(view.extend_lens.numpy(), 0)
+    prefix = np.asarray(view.prefix_lens)
+    extend = np.maximum(np.asarray(view.extend_lens), 0)
     starts = np.concatenate(([0], np.cumsum(extend)[:-1]))
-    out_slots = view.out_slots.numpy()
-    r2t = view.req_to_token.numpy()
+    out_slots = np.asarray(view.out_slots)
+    r2t = np.asarray(view.req_to_token)
     written = out_slots[out_slots > 0]
     in_prefix = np.arange(r2t.shape[1]) < prefix[:, None]
     if written.size == 0 or not np.isin(r2t[rows][in_prefix], written).any():
@@ -141,18 +142,17 @@ def split_waves(view: ForwardView) -> list[ForwardView]:
     for w in sorted(set(wave)):  # a cycle (two rows writing each other's prefix) skips levels
         sel = [i for i in range(n) if wave[i] == w]
         tok = np.concatenate([np.arange(starts[i], starts[i] + extend[i]) for i in sel])
-        tok = tok.astype(np.int64)
-        pick = torch.from_numpy(np.asarray(sel, dtype=np.int64))
-        tpick = torch.from_numpy(tok)
+        tpick = tok.astype(np.int64)
+        pick = np.asarray(sel, dtype=np.int64)
         truth = view.truth_tokens
         views.append(
             ForwardView(
-                rows=view.rows[pick],
-                prefix_lens=view.prefix_lens[pick],
-                extend_lens=view.extend_lens[pick],
-                input_ids=view.input_ids[tpick],
-                positions=view.positions[tpick],
-                out_slots=view.out_slots[tpick],
+                rows=rows[pick],
+                prefix_lens=prefix[pick],
+                extend_lens=np.asarray(view.extend_lens)[pick],
+                input_ids=np.asarray(view.input_ids)[tpick],
+                positions=np.asarray(view.positions)[tpick],
+                out_slots=out_slots[tpick],
                 req_to_token=view.req_to_token,
                 truth_tokens=None if truth is None else [truth[i] for i in sel],
                 mutable=False,

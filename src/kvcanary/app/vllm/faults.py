@@ -232,10 +232,10 @@ class VllmFaultInjector:
         if self._written is None:
             assert self.canary is not None
             self._written = np.full((self.canary.groups[0].num_slots, 2), -1, dtype=np.int64)
-        slots = view.out_slots.numpy()
+        slots = np.asarray(view.out_slots)
         ok = slots > 0
-        self._written[slots[ok], 0] = view.input_ids.numpy()[ok]
-        self._written[slots[ok], 1] = view.positions.numpy()[ok]
+        self._written[slots[ok], 0] = np.asarray(view.input_ids)[ok]
+        self._written[slots[ok], 1] = np.asarray(view.positions)[ok]
 
     def _confirm_stale_reads(self, view: ForwardView, step: int) -> None:
         a = self._armed
