@@ -88,7 +88,10 @@ def batches(draw: st.DrawFn) -> dict[str, Any]:
         "use_lut": use_lut,
         "window": draw(st.sampled_from([1 << 62, 1, 2, 5])) if use_lut else 1 << 62,
         "num_slots": n_group,
-        "truth": rng.integers(0, 50, size=(len(rows), truth_w)).astype(np.int64),
+        # int32: an engine's own token table, passed to the plan builder as it is (TruthTable)
+        "truth": rng.integers(0, 50, size=(len(rows) + draw(st.integers(0, 2)), truth_w)).astype(
+            draw(st.sampled_from([np.int32, np.int64]))
+        ),
         "truth_lens": rng.integers(0, truth_w + 2, size=len(rows)).astype(np.int64),
         "offset": draw(st.sampled_from([0, 1])),
         "verify_capacity": draw(st.sampled_from([10_000, 3])),

@@ -51,7 +51,7 @@ class ViewSnapshot:
     expected_tokens: I64
     expected_positions: I64
     write_assert: bool
-    truth: I64
+    truth: npt.NDArray[np.integer[Any]]  # int32 or int64; read by the plan builder only
     truth_lens: I64
     linear_chain: bool
 
@@ -197,7 +197,9 @@ def snapshot_view(
     )
 
 
-def _truth_table(view: ForwardView, nrows: int, ncols: int, token_check: bool) -> tuple[I64, I64]:
+def _truth_table(
+    view: ForwardView, nrows: int, ncols: int, token_check: bool
+) -> tuple[npt.NDArray[np.integer[Any]], I64]:
     lens = np.zeros(nrows, dtype=np.int64)
     if not token_check or view.truth_tokens is None:
         return np.zeros((nrows, 0), dtype=np.int64), lens
@@ -219,10 +221,14 @@ def _truth_table(view: ForwardView, nrows: int, ncols: int, token_check: bool) -
     return table, lens
 
 
-def _truth_from_table(tt: TruthTable, nrows: int, ncols: int) -> tuple[I64, I64]:
-    """`_truth_table` for a `TruthTable`, with whole-array copies of the part the plan can read.
-    Entries past a row's length are copied as the table holds them (the plan builder reads only
-    `truth[r, : lens[r]]`), not zeroed: the zeroing would cost more than the copy."""
+def _truth_from_table(
+    tt: TruthTable, nrows: int, ncols: int
+) -> tuple[npt.NDArray[np.integer[Any]], I64]:
+    """`_truth_table` for a `TruthTable`: its live token table as it is (any int dtype, no copy)
+    and a copy of the lengths. The plan builder, which runs right after this in the same
+    `pre_forward`, reads only `truth[r, : min(lens[r], ncols, width)]` and copies each entry's
+    token into the plan: that copy is the snapshot (SPEC §2.2), taken at the same moment a
+    table copy here would have been."""
     tokens = as_int_array("truth_tokens.tokens", tt.tokens, 2)
     given = as_int_array("truth_tokens.lens", tt.lens, 1)
     n = min(len(given), nrows)
@@ -233,13 +239,9 @@ def _truth_from_table(tt: TruthTable, nrows: int, ncols: int) -> tuple[I64, I64]
         )
     lens = np.zeros(nrows, dtype=np.int64)
     lens[:n] = given[:n]
-    low, high = (int(lens[:n].min()), int(lens[:n].max())) if n else (0, 0)
-    if low < 0:
+    if n and int(lens[:n].min()) < 0:
         raise TypeError("kv-canary: forward_view.truth_tokens has a negative row length")
-    width = min(high, ncols, tokens.shape[1])
-    table = np.zeros((nrows, width), dtype=np.int64)
-    table[:n] = tokens[:n, :width]
-    return table, lens
+    return tokens, lens
 
 
 def _truth_row(seq: Any) -> I64:

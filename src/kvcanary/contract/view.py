@@ -6,14 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
-__all__ = ["ExpectedInputs", "ForwardView", "IntArray", "TruthTable"]
-
-#: an integer field of a ForwardView: a CPU int32/int64 tensor or NumPy array
-IntArray = torch.Tensor | npt.NDArray[np.integer[Any]]
+__all__ = ["ExpectedInputs", "ForwardView", "TruthTable"]
 
 
 class TruthTable(Sequence[Sequence[int]]):
@@ -49,7 +44,7 @@ class ExpectedInputs:
     """Token-oracle expectations for each flat token entry: what should be written and where."""
 
     tokens: torch.Tensor
-    positions: IntArray
+    positions: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,13 +74,13 @@ class ForwardView:
     `post_forward` except by the model writing KV; `req_to_token` is the table attention uses.
     """
 
-    rows: IntArray
-    prefix_lens: IntArray
-    extend_lens: IntArray
-    input_ids: IntArray
-    positions: IntArray
-    out_slots: IntArray
-    req_to_token: IntArray
+    rows: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    req_to_token: torch.Tensor
     truth_tokens: Sequence[Sequence[int]] | None = None
     expected_inputs: ExpectedInputs | None = None
     skip_write_input_assert: bool = False
