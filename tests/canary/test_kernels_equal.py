@@ -239,6 +239,21 @@ def test_one_geometry_fold_equals_the_per_source_fold(
     assert outputs[0][2] == min(corrupt, 1)  # one entry's fold differs when any source changed
 
 
+def verify_rings(
+    buf: np.ndarray, slots: np.ndarray, prevs: np.ndarray, pos: np.ndarray, tok: np.ndarray,
+    src: FoldSources, *, ring_rows: int,
+) -> list[tuple[bytes, int]]:  # fmt: skip
+    """(ring bytes, violations) of one verify pass (tag 2) by the reference, the fast and the
+    fast serial kernel, in that order, each into a fresh ring of `ring_rows` rows."""
+    rings = []
+    for verify in (reference.verify, fast.verify, fast.verify_serial):
+        ring = np.zeros((ring_rows, 8), dtype=np.uint64)
+        state = np.zeros(1, dtype=np.int64)
+        verify(buf, slots, prevs, pos, tok, *src.words, src.params, src.count, 2, ring, state)
+        rings.append((ring.tobytes(), int(state[0])))
+    return rings
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), entries=st.integers(1, 600), sources=st.integers(0, 2))
 def test_a_strided_record_buffer_verifies_like_the_reference(
@@ -259,12 +274,7 @@ def test_a_strided_record_buffer_verifies_like_the_reference(
                      np.concatenate([[-1], slots[:-1]])).astype(np.int64)  # fmt: skip
     pos = rng.integers(0, 4, size=entries).astype(np.int64)
     tok = rng.integers(-1, 4, size=entries).astype(np.int64)
-    rings = []
-    for verify in (reference.verify, fast.verify, fast.verify_serial):
-        ring = np.zeros((700, 8), dtype=np.uint64)
-        state = np.zeros(1, dtype=np.int64)
-        verify(buf, slots, prevs, pos, tok, *src.words, src.params, src.count, 2, ring, state)
-        rings.append((ring.tobytes(), int(state[0])))
+    rings = verify_rings(buf, slots, prevs, pos, tok, src, ring_rows=700)
     assert rings[1] == rings[0] and rings[2] == rings[0]
 
 
@@ -309,12 +319,7 @@ def test_a_lone_violation_among_clean_entries_is_found_in_every_verify_path(
     else:  # a chain head whose stored PREV_HASH is not HEAD_HASH
         i = 0
         buf[slots[0], 2] ^= np.uint64(1)
-    rings = []
-    for verify in (reference.verify, fast.verify, fast.verify_serial):
-        ring = np.zeros((4, 8), dtype=np.uint64)
-        state = np.zeros(1, dtype=np.int64)
-        verify(buf, slots, prevs, pos, tok, *src.words, src.params, src.count, 2, ring, state)
-        rings.append((ring.tobytes(), int(state[0])))
+    rings = verify_rings(buf, slots, prevs, pos, tok, src, ring_rows=4)
     assert rings[0][1] >= 1  # the fault is a violation
     assert rings[1] == rings[0] and rings[2] == rings[0]
 
