@@ -186,34 +186,40 @@ def test_generator_reaches_the_interesting_cases() -> None:
 def test_sources_take_the_one_geometry_fold_exactly_when_they_share_it(
     pages: list[int], nbpts: list[int], reads: list[int], mode: RealDataMode
 ) -> None:
-    """`params[:, 4]` (the kernels' one-tile-position fold) is 1 exactly when every source has
-    one power-of-two page size and words per token and 16 bytes are read."""
+    """`params[:, 4]` (the kernels' one-page-geometry fold) is 1 exactly when every source has
+    one power-of-two page size and 16 bytes are read; words per token may differ."""
     sources = [
         RealKvSource(torch.zeros(4, page * nbpt, dtype=torch.uint8), page, nbpt, min(read, nbpt))
         for page, nbpt, read in zip(pages, nbpts, reads, strict=False)
     ]
     params = FoldSources.build(sources, mode).params
     reads_16 = [16 if mode is RealDataMode.PARTIAL else s.read_bytes for s in sources]
-    same = len(set(pages)) == 1 and len(set(nbpts[: len(pages)])) == 1 and set(reads_16) == {16}
+    same = len(set(pages)) == 1 and set(reads_16) == {16}
     expected = same and pages[0] & (pages[0] - 1) == 0
     assert params[:, 4].tolist() == [int(expected)] * len(params)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), count=st.integers(1, 4), page=st.sampled_from([1, 2, 32]),
-       entries=st.integers(1, 700), corrupt=st.integers(0, 3))  # fmt: skip
+       entries=st.integers(1, 700), corrupt=st.integers(0, 3),
+       widths=st.lists(st.sampled_from([16, 32, 128]), min_size=4, max_size=4))  # fmt: skip
 def test_one_geometry_fold_equals_the_per_source_fold(
-    seed: int, count: int, page: int, entries: int, corrupt: int
+    seed: int, count: int, page: int, entries: int, corrupt: int, widths: list[int]
 ) -> None:
-    """Verify and write with `count` sources of one geometry (vLLM's heads of one layer): the
-    kernels' one-tile-position path leaves the buffers and rings the reference leaves, over
+    """Verify and write with `count` sources of one page geometry (vLLM's heads of one layer;
+    on CPU a 16-byte K mirror beside token-major V heads, so bytes per token differ): the
+    kernels' one-page-geometry path leaves the buffers and rings the reference leaves, over
     hundreds of entries (the four-at-a-time loops) with a few corrupted KV bytes."""
     rng = np.random.default_rng(seed)
     num_slots = 1 + entries + int(rng.integers(0, 40))
     rows = (num_slots + page - 1) // page
-    tensors = [torch.from_numpy(rng.integers(0, 256, size=(rows, page * 32), dtype=np.uint8))
-               for _ in range(count)]  # fmt: skip
-    src = FoldSources.build([RealKvSource(t, page, 32, 32) for t in tensors], RealDataMode.PARTIAL)
+    widths = widths[:count]
+    tensors = [torch.from_numpy(rng.integers(0, 256, size=(rows, page * w), dtype=np.uint8))
+               for w in widths]  # fmt: skip
+    src = FoldSources.build(
+        [RealKvSource(t, page, w, w) for t, w in zip(tensors, widths, strict=True)],
+        RealDataMode.PARTIAL,
+    )
     assert src.params[0, 4] == 1
     slots = rng.permutation(np.arange(1, num_slots))[:entries].astype(np.int64)
     zeros, ones = np.zeros(1, dtype=np.int64), np.full(1, -1, dtype=np.int64)
@@ -226,14 +232,14 @@ def test_one_geometry_fold_equals_the_per_source_fold(
         ids, pos = slots % 97, np.arange(len(slots), dtype=np.int64)
         kernels.write(buf, ones, np.array([0, len(slots)]), slots, False, ids, pos, False, zeros,
                       zeros, False, *args)  # fmt: skip
-        for t in tensors[:corrupt]:  # flip a byte of some entries' tiles after the write
+        for t, w in zip(tensors[:corrupt], widths, strict=False):  # flip a tile byte after write
             s = int(slots[len(slots) // 2])
-            t[s // page, (s % page) * 32] ^= 1
+            t[s // page, (s % page) * w] ^= 1
         prevs = np.concatenate([[-1], slots[:-1]])
         kernels.verify(buf, slots, prevs, pos, ids, *args)
-        for t in tensors[:corrupt]:
+        for t, w in zip(tensors[:corrupt], widths, strict=False):
             s = int(slots[len(slots) // 2])
-            t[s // page, (s % page) * 32] ^= 1
+            t[s // page, (s % page) * w] ^= 1
         outputs.append((buf.tobytes(), ring.tobytes(), int(state[0])))
     assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
     assert outputs[0][2] == min(corrupt, 1)  # one entry's fold differs when any source changed

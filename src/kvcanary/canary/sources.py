@@ -36,10 +36,11 @@ class FoldSources:
 
     `params[i] = (page_size, words_per_token, words_read, page_shift, uniform)`; unused entries
     point at a dummy array. `uniform` is 1 in every row when all sources share one power-of-two
-    page size and words per token and read 16 bytes (PARTIAL over the heads of one layer, the
-    common case): the kernels then fold every source from one tile position. `words_read` is 2 (16 bytes) under PARTIAL and `read_bytes // 8` under ALL;
-    `page_shift` is log2(page_size) for a power of two (the kernels then shift instead of
-    dividing), else -1.
+    page size and read 16 bytes (PARTIAL over the heads of one layer, the common case; words per
+    token may differ, as between a mirrored K and a token-major V on CPU): the kernels then fold
+    every source from one row and in-page index. `words_read` is 2 (16 bytes) under PARTIAL and
+    `read_bytes // 8` under ALL; `page_shift` is log2(page_size) for a power of two (the kernels
+    then shift instead of dividing), else -1.
     """
 
     words: tuple[npt.NDArray[np.uint64], ...]
@@ -71,7 +72,7 @@ class FoldSources:
         used_rows = params[: len(used)]
         if (
             len(used)
-            and (used_rows[:, [0, 1, 2, 3]] == used_rows[0, [0, 1, 2, 3]]).all()
+            and (used_rows[:, [0, 2, 3]] == used_rows[0, [0, 2, 3]]).all()
             and (used_rows[0, 2] == _PARTIAL_BYTES // 8 and used_rows[0, 3] >= 0)
         ):
             params[:, 4] = 1

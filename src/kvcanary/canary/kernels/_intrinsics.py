@@ -133,35 +133,36 @@ def _fold_pair(words, row, col):  # type: ignore[no-untyped-def]
 
 
 @internal
-def fold_uniform(s0, s1, s2, s3, count, page, shift, per_token, slot):  # type: ignore[no-untyped-def]
-    """`fold_sources` when every source shares one power-of-two page geometry and reads 16
-    bytes (`params[:, 4] == 1`): one tile position, no per-source parameters or loops."""
-    row, col = slot >> shift, (slot & (page - 1)) * per_token
+def fold_uniform(s0, s1, s2, s3, count, page, shift, w0, w1, w2, w3, slot):  # type: ignore[no-untyped-def]
+    """`fold_sources` when every source shares one power-of-two page size and reads 16 bytes
+    (`params[:, 4] == 1`): one row and one in-page index for all sources, each source's tile at
+    that index times its own words per token (`w0..w3`); no per-source loops or divisions."""
+    row, lo = slot >> shift, slot & (page - 1)
     acc = uint64(0)
     if count > 0:
-        acc = splitmix64(acc ^ _fold_pair(s0, row, col))
+        acc = splitmix64(acc ^ _fold_pair(s0, row, lo * w0))
     if count > 1:
-        acc = splitmix64(acc ^ _fold_pair(s1, row, col))
+        acc = splitmix64(acc ^ _fold_pair(s1, row, lo * w1))
     if count > 2:
-        acc = splitmix64(acc ^ _fold_pair(s2, row, col))
+        acc = splitmix64(acc ^ _fold_pair(s2, row, lo * w2))
     if count > 3:
-        acc = splitmix64(acc ^ _fold_pair(s3, row, col))
+        acc = splitmix64(acc ^ _fold_pair(s3, row, lo * w3))
     return acc
 
 
 @internal
-def prefetch_uniform(s0, s1, s2, s3, count, page, shift, per_token, slot):  # type: ignore[no-untyped-def]
+def prefetch_uniform(s0, s1, s2, s3, count, page, shift, w0, w1, w2, w3, slot):  # type: ignore[no-untyped-def]
     """`prefetch_sources` under `fold_uniform`'s geometry (the first word of each tile: a
     16-byte tile of a row whose stride is a multiple of 16 bytes is in one cache line)."""
-    row, col = slot >> shift, (slot & (page - 1)) * per_token
+    row, lo = slot >> shift, slot & (page - 1)
     if count > 0:
-        _prefetch_word(s0, row, col)
+        _prefetch_word(s0, row, lo * w0)
     if count > 1:
-        _prefetch_word(s1, row, col)
+        _prefetch_word(s1, row, lo * w1)
     if count > 2:
-        _prefetch_word(s2, row, col)
+        _prefetch_word(s2, row, lo * w2)
     if count > 3:
-        _prefetch_word(s3, row, col)
+        _prefetch_word(s3, row, lo * w3)
 
 
 @internal
@@ -169,7 +170,10 @@ def prefetch_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-un
     """Prefetch every source tile `fold_sources` reads for `slot` (real-KV rows are far apart
     in memory, so a fold over many entries is otherwise one DRAM latency per entry)."""
     if params[0, 4] != 0:
-        prefetch_uniform(s0, s1, s2, s3, count, params[0, 0], params[0, 3], params[0, 1], slot)
+        prefetch_uniform(
+            s0, s1, s2, s3, count, params[0, 0], params[0, 3], params[0, 1], params[1, 1],
+            params[2, 1], params[3, 1], slot,
+        )  # fmt: skip
         return
     if count > 0:
         _prefetch_tile(s0, params[0, 0], params[0, 3], params[0, 1], params[0, 2], slot)
@@ -185,8 +189,11 @@ def prefetch_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-un
 def fold_sources(s0, s1, s2, s3, params, count, slot):  # type: ignore[no-untyped-def]
     """The real-KV fold of `slot` over `count` sources (SPEC §4); `params` as built by
     `kvcanary.canary.sources.FoldSources`."""
-    if params[0, 4] != 0:  # one geometry, 16-byte reads: 2-4x faster in the verify loops
-        return fold_uniform(s0, s1, s2, s3, count, params[0, 0], params[0, 3], params[0, 1], slot)
+    if params[0, 4] != 0:  # one page geometry, 16-byte reads: 2-4x faster in the verify loops
+        return fold_uniform(
+            s0, s1, s2, s3, count, params[0, 0], params[0, 3], params[0, 1], params[1, 1],
+            params[2, 1], params[3, 1], slot,
+        )  # fmt: skip
     acc = uint64(0)
     if count > 0:
         acc = splitmix64(

@@ -4,8 +4,10 @@ entries, then record violations in plan order by a serial pass (SPEC §5).
 Performance (bench/kernels.py): verify prefetches record rows ahead (random slot orders are
 otherwise DRAM-latency bound). Without real-KV sources, runs of consecutive slots are checked by a
 vectorized loop with unit-stride row loads and other entries by a vectorized loop with gathers
-(random verify 2.4-2.7x -> 2.0-2.2x its floor, 2 threads); with sources, four entries per step
-in branch-free code, so their mix3 and fold chains overlap.
+(random verify 2.4-2.7x -> 2.0-2.2x its floor, 2 threads). With sources of one page geometry
+(the common case) a vectorized loop with gathers folds them (64-bit multiplies in vector units:
+a vLLM decode TAIL verify, 1008 entries over four sources, 65 -> ~10 us); with sources of
+several geometries, four entries per step in branch-free code, so their chains overlap.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from kvcanary.canary.kernels._intrinsics import (
     _prefetch_read,
     _record,
     fold_sources,
-    fold_uniform,
     internal,
     mix3,
     prefetch_sources,
     prefetch_uniform,
+    splitmix64,
 )
 
 _FOLD_AHEAD = 32  # entries: real-KV tiles are requested this far ahead of their fold
@@ -210,18 +212,89 @@ def _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c):  # type: ignore[no-untyp
     return nb
 
 
+#: int64 mask that proves an index non-negative to LLVM: numba wraps negative indices, and that
+#: select keeps LLVM from vectorizing a loop with gathers (slots are range-checked, never < 0)
+_NONNEG = np.int64(0x7FFF_FFFF_FFFF_FFFF)
+
+
+@internal
+def _pair_at(words, row, col):  # type: ignore[no-untyped-def]
+    """`_fold_pair` of the tile at (row, col), both known non-negative."""
+    return splitmix64(splitmix64(uint64(0) ^ words[row, col]) ^ words[row, col + 1])
+
+
+@internal
+def _folded_lanes(  # type: ignore[no-untyped-def]
+    buf, slots, prevs, poss, toks, s0, s1, s2, s3, count, page, shift, w0, w1, w2, w3,
+):  # fmt: skip
+    """Entries of `slots` (a chunk's slice) with a violation, folding `count` sources of one page
+    geometry (`params[:, 4] == 1`): one branch-free loop that LLVM vectorizes with gathers
+    (AVX-512: eight entries per lane group, the 64-bit multiplies of splitmix in vector units).
+    Same bits as `_entry_bad` with `fold_uniform`; the caller passes `count` as a literal so each
+    copy has its sources fixed (a run-time count inside the loop keeps it scalar)."""
+    nb = 0
+    flat = _flat_rows(buf)
+    mask = page - 1
+    for k in range(slots.shape[0]):
+        s, p, t = slots[k], prevs[k], toks[k]
+        q = uint64(s if (p == 0) | (p == -1) else p) * uint64(4)
+        u = uint64(s) * uint64(4)
+        h = mix3(flat[q + uint64(2)], flat[q], flat[q + uint64(1)])
+        exp_chain = HEAD_HASH_U64 if p == -1 else h
+        row = (s >> shift) & _NONNEG
+        lo = s & mask
+        fold = splitmix64(_pair_at(s0, row, (lo * w0) & _NONNEG))
+        if count > 1:
+            fold = splitmix64(fold ^ _pair_at(s1, row, (lo * w1) & _NONNEG))
+        if count > 2:
+            fold = splitmix64(fold ^ _pair_at(s2, row, (lo * w2) & _NONNEG))
+        if count > 3:
+            fold = splitmix64(fold ^ _pair_at(s3, row, (lo * w3) & _NONNEG))
+        ok = (
+            ((p == 0) | (flat[u + uint64(2)] == exp_chain))
+            & (flat[u + uint64(1)] == uint64(poss[k]))
+            & (flat[u + uint64(3)] == fold)
+            & ((t == -1) | (flat[u] == uint64(t)))
+        )
+        nb += 0 if ok | (s == 0) else 1
+    return nb
+
+
+@internal
+def _uniform_chunk(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, lo, hi):  # type: ignore[no-untyped-def]
+    """Entries with a violation in `lo:hi` under the one-page geometry: `_folded_lanes` with
+    `count` as a literal (one vectorized copy per source count). The next chunk's tiles are
+    requested first, as `_plain_chunk` requests rows: random slots are a DRAM latency each."""
+    n = v_slot.shape[0]
+    page, shift = params[0, 0], params[0, 3]
+    w0, w1, w2, w3 = params[0, 1], params[1, 1], params[2, 1], params[3, 1]
+    for j in range(hi, min(hi + _CHUNK, n)):
+        ahead = v_slot[j]
+        if ahead - v_slot[j - 1] != 1:  # a run of consecutive slots streams by itself
+            _prefetch_read(buf, ahead)
+            prefetch_uniform(s0, s1, s2, s3, count, page, shift, w0, w1, w2, w3, ahead)
+    sl, pv, ps, tk = v_slot[lo:hi], v_prev[lo:hi], v_pos[lo:hi], v_tok[lo:hi]
+    if count == 4:
+        return _folded_lanes(buf, sl, pv, ps, tk, s0, s1, s2, s3, 4, page, shift, w0, w1, w2, w3)
+    if count == 3:
+        return _folded_lanes(buf, sl, pv, ps, tk, s0, s1, s2, s3, 3, page, shift, w0, w1, w2, w3)
+    if count == 2:
+        return _folded_lanes(buf, sl, pv, ps, tk, s0, s1, s2, s3, 2, page, shift, w0, w1, w2, w3)
+    return _folded_lanes(buf, sl, pv, ps, tk, s0, s1, s2, s3, 1, page, shift, w0, w1, w2, w3)
+
+
 @internal
 def _folded_chunk(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, c):  # type: ignore[no-untyped-def]
-    """Entries with a violation in chunk `c`, folding `count` real-KV sources; four at a time
-    (each is two serial hash chains, mix3 and fold: eight in straight-line code overlap). Slot 0
-    is folded too (row 0 exists in every source) and never counted bad."""
+    """Entries with a violation in chunk `c`, folding `count` real-KV sources. One page
+    geometry (`params[:, 4]`): `_uniform_chunk`. Otherwise four entries at a time (each is two
+    serial hash chains, mix3 and fold: eight in straight-line code overlap). Slot 0 is folded
+    too (row 0 exists in every source) and never counted bad."""
     n = v_slot.shape[0]
     lo = c * _CHUNK
     hi = min(lo + _CHUNK, n)
-    # the geometry read once per chunk: per entry, LLVM reloads `params` (measured: TAIL verify
-    # of a vLLM decode step, 648 entries over four 16-byte sources, 33 -> 18 us)
-    uniform = params[0, 4] != 0
-    page, shift, per_token = params[0, 0], params[0, 3], params[0, 1]
+    if params[0, 4] != 0:
+        return _uniform_chunk(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count,
+                              lo, hi)  # fmt: skip
     bad = 0
     i = lo
     while i + 4 <= hi:
@@ -231,10 +304,7 @@ def _folded_chunk(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, cou
             if j + _FOLD_AHEAD < n:
                 ahead = v_slot[j + _FOLD_AHEAD]
                 if ahead > 0:
-                    if uniform:
-                        prefetch_uniform(s0, s1, s2, s3, count, page, shift, per_token, ahead)
-                    else:
-                        prefetch_sources(s0, s1, s2, s3, params, count, ahead)
+                    prefetch_sources(s0, s1, s2, s3, params, count, ahead)
         a0, a1, a2, a3 = v_slot[i], v_slot[i + 1], v_slot[i + 2], v_slot[i + 3]
         p0, p1, p2, p3 = v_prev[i], v_prev[i + 1], v_prev[i + 2], v_prev[i + 3]
         q0, q1 = _chain_input(buf, a0, p0), _chain_input(buf, a1, p1)
@@ -243,16 +313,10 @@ def _folded_chunk(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, cou
         h1 = mix3(buf[q1, 2], buf[q1, 0], buf[q1, 1])
         h2 = mix3(buf[q2, 2], buf[q2, 0], buf[q2, 1])
         h3 = mix3(buf[q3, 2], buf[q3, 0], buf[q3, 1])
-        if uniform:
-            f0 = fold_uniform(s0, s1, s2, s3, count, page, shift, per_token, a0)
-            f1 = fold_uniform(s0, s1, s2, s3, count, page, shift, per_token, a1)
-            f2 = fold_uniform(s0, s1, s2, s3, count, page, shift, per_token, a2)
-            f3 = fold_uniform(s0, s1, s2, s3, count, page, shift, per_token, a3)
-        else:
-            f0 = fold_sources(s0, s1, s2, s3, params, count, a0)
-            f1 = fold_sources(s0, s1, s2, s3, params, count, a1)
-            f2 = fold_sources(s0, s1, s2, s3, params, count, a2)
-            f3 = fold_sources(s0, s1, s2, s3, params, count, a3)
+        f0 = fold_sources(s0, s1, s2, s3, params, count, a0)
+        f1 = fold_sources(s0, s1, s2, s3, params, count, a1)
+        f2 = fold_sources(s0, s1, s2, s3, params, count, a2)
+        f3 = fold_sources(s0, s1, s2, s3, params, count, a3)
         bad += (
             _entry_bad(buf, a0, p0, v_pos[i], v_tok[i], h0, f0)
             + _entry_bad(buf, a1, p1, v_pos[i + 1], v_tok[i + 1], h1, f1)
