@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvcanary.adapters.vllm.host_views import HostViews
 from kvcanary.adapters.vllm.layout import (
     LayerSources,
     LayoutError,
@@ -110,6 +111,7 @@ class CanaryWorker:
         self.chunked_prefill_rows = 0
         self._waves: list[ForwardView] = []
         self._prep: StepPrep | None = None  # req_to_token kept across steps, wave test
+        self._host = HostViews()  # NumPy views of the runner's input buffers, made once
         self.num_blocks = 0
         self._tail_blocks: np.ndarray | None = None  # blocks TAIL reads (mirror re-gather)
         self._last_checks = 0
@@ -314,14 +316,15 @@ class CanaryWorker:
         table = bt.block_table.np
         if self._prep is None:
             self._prep = StepPrep(table, self.block_size, self.num_blocks)
-        slots = mapping[:total].numpy()
+        host = self._host
+        slots = host.prefix(mapping, total)
         r2t = self._prep.run(table, num_reqs, computed, num_scheduled, slots, need)
         mirrored = self.sources is not None and self.sources.mirror is not None
         self._tail_blocks = self._prep.tail_blocks if mirrored else None
         return build_forward_view(
             block_table=table, block_size=self.block_size, num_computed=computed,
-            num_scheduled=num_scheduled, input_ids=runner.input_ids.cpu[:total].numpy(),
-            positions=runner.positions[:total].numpy(), slot_mapping=slots,
+            num_scheduled=num_scheduled, input_ids=host.prefix(runner.input_ids.cpu, total),
+            positions=host.prefix(runner.positions, total), slot_mapping=slots,
             truth_tokens=truth, req_to_token=r2t, total=total, min_slot=self._prep.min_slot,
         )  # fmt: skip
 
