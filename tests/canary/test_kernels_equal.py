@@ -23,6 +23,9 @@ from kvcanary.contract import RealKvSource
 FAST_SERIAL = SimpleNamespace(
     build_plan=fast.build_plan, verify=fast.verify_serial, write=fast.write_serial
 )
+#: a stage's verify and write in one call (`run` calls `stage` when a namespace has one)
+FAST_STAGE = SimpleNamespace(build_plan=fast.build_plan, stage=fast.stage_serial)
+REFERENCE_STAGE = SimpleNamespace(build_plan=reference.build_plan, stage=reference.stage_serial)
 
 
 @st.composite
@@ -123,24 +126,21 @@ def run(kernels: Any, b: dict[str, Any]) -> dict[str, Any]:
     ring = np.zeros((b["ring_capacity"], 8), dtype=np.int64)
     state = np.zeros(1, dtype=np.int64)
     src = b["sources"]
-    if not overflow:
-        kernels.verify(
-            buf,
-            vs,
-            vp,
-            vpos,
-            vt,
-            *src.words,
-            src.params,
-            src.count,
-            b["tag"],
-            ring.view(np.uint64),
-            state,
-        )
-    kernels.write(
-        buf, seeds, ro, ws, shadowed, b["ids"], b["positions"], b["write_assert"], b["exp_tok"], b["exp_pos"],
-        b["chain_position"], *src.words, src.params, src.count, b["tag"], ring.view(np.uint64), state,
-    )  # fmt: skip
+    words, ring_words = (*src.words, src.params, src.count), ring.view(np.uint64)
+    if hasattr(kernels, "stage"):
+        result["verified"] = int(kernels.stage(
+            buf, vs, vp, vpos, vt, not overflow, seeds, ro, ws, shadowed, b["ids"], b["positions"],
+            b["write_assert"], b["exp_tok"], b["exp_pos"], b["chain_position"], *words, b["tag"],
+            ring_words, state,
+        ))  # fmt: skip
+    else:
+        if not overflow:
+            kernels.verify(buf, vs, vp, vpos, vt, *words, b["tag"], ring_words, state)
+        result["verified"] = int(state[0])  # the write index after the verify pass
+        kernels.write(
+            buf, seeds, ro, ws, shadowed, b["ids"], b["positions"], b["write_assert"], b["exp_tok"],
+            b["exp_pos"], b["chain_position"], *words, b["tag"], ring_words, state,
+        )  # fmt: skip
     # Row 0 may be written by several requests in one forward; it is never read.
     result.update(buf=buf[1:].tobytes(), ring=ring.tobytes(), state=int(state[0]))
     return result
@@ -152,6 +152,8 @@ def test_fast_and_reference_kernels_are_byte_equal(b: dict[str, Any]) -> None:
     expected = run(reference, b)
     assert run(fast, b) == expected
     assert run(FAST_SERIAL, b) == expected
+    assert run(FAST_STAGE, b) == expected  # one call: the same buffer, ring and verify rows
+    assert run(REFERENCE_STAGE, b) == expected
 
 
 def test_generator_reaches_the_interesting_cases() -> None:

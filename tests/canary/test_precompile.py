@@ -13,7 +13,7 @@ import pytest
 
 from kvcanary.canary.kernels import fast, precompile
 
-_KERNELS = ("build_plan", "verify", "write", "verify_serial", "write_serial")
+_KERNELS = ("build_plan", "verify", "write", "verify_serial", "write_serial", "stage_serial")
 
 
 def _env(cache_home: Path) -> dict[str, str]:
@@ -42,11 +42,12 @@ def test_the_runtime_calls_exactly_the_precompiled_signatures() -> None:
     called = json.loads(out.stdout.strip().splitlines()[-1])
     expected = {n: [str(s)] for n, s in precompile.signatures().items()}
     assert set(expected) == set(_KERNELS)
-    # A small run launches only the serial twins (every stage is below SERIAL_LAUNCH_ENTRIES);
-    # the runtime hands a parallel kernel the very arguments it hands its twin.
+    # A small run launches only the serial twins (every stage is below SERIAL_LAUNCH_ENTRIES),
+    # each HEAD/TAIL stage as one `stage_serial` call, sweeps through `verify_serial`; the
+    # runtime hands a parallel kernel the very arguments it hands its twin.
     for n in _KERNELS:
         assert called[n] in ([], expected[n]), n
-    assert all(called[n] for n in ("build_plan", "verify_serial", "write_serial")), called
+    assert all(called[n] for n in ("build_plan", "verify_serial", "stage_serial")), called
 
 
 _STATS = """
@@ -55,7 +56,8 @@ from kvcanary.canary.kernels import fast, precompile
 precompile.precompile(cores=1)
 print(json.dumps({n: [sum(getattr(fast, n).stats.cache_hits.values()),
                       sum(getattr(fast, n).stats.cache_misses.values())]
-                  for n in ("build_plan", "verify", "write", "verify_serial", "write_serial")}))
+                  for n in ("build_plan", "verify", "write", "verify_serial", "write_serial",
+                            "stage_serial")}))
 """
 
 _PRECOMPILE_TWO_CORES = "from kvcanary.canary.kernels import precompile; precompile.precompile(2)"

@@ -45,10 +45,12 @@ SERIAL_LAUNCH_ENTRIES = 4096
 
 @dataclass(frozen=True, slots=True)
 class _Kernels:
-    """The verify and write kernels one launch uses: the parallel ones or their serial twins."""
+    """The verify and write kernels one launch uses: the parallel ones or their serial twins,
+    and (serial only) `stage`, the two in one call (`kernels.fast.stage_serial`)."""
 
     verify: Callable[..., None]
     write: Callable[..., None]
+    stage: Callable[..., int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,9 @@ class Canary:
         self._kernels: ModuleType = KERNEL_IMPLEMENTATIONS[kernels]
         self._perturb = perturb
         self._threaded = _Kernels(self._kernels.verify, self._kernels.write)
-        self._serial = _Kernels(self._kernels.verify_serial, self._kernels.write_serial)
+        self._serial = _Kernels(
+            self._kernels.verify_serial, self._kernels.write_serial, self._kernels.stage_serial
+        )
         ordered = sorted(groups, key=lambda g: g.kind is GroupKind.SWA)
         self.groups = tuple(
             GroupBuffers(g, real_data=config.real_data, enable_v=config.enable_v) for g in ordered
@@ -355,6 +359,22 @@ class Canary:
         scratch = self._pass_rows
         for g, tag, words, src in self._launches[stage]:
             plan = plans[g.name]
+            if kernels.stage is not None and not recover:
+                # one call; recover mode attributes the verify rows before the write runs
+                scratch.prepare(len(plan.v_slot) + 2 * len(plan.w_slots))
+                kernels.stage(
+                    words, plan.v_slot, plan.v_prev, plan.v_pos, plan.v_tok, not plan.overflow,
+                    plan.seeds, plan.req_offsets, plan.w_slots, plan.shadowed, snap.input_ids,
+                    snap.positions, snap.write_assert, snap.expected_tokens,
+                    snap.expected_positions, chain_position, *src.words, src.params, src.count,
+                    int(tag), scratch.words, scratch.state,
+                )  # fmt: skip
+                rows = scratch.take()
+                if len(rows):
+                    self.ring.absorb(rows)
+                self.kernel_run_counter[tag] += 2  # a verify (or its overflow skip) and a write
+                self.slot_run_counter[tag] += len(plan.v_slot) + plan.num_writes
+                continue
             if not plan.overflow:
                 rows = self._verify(
                     kernels, tag, words, src, plan.v_slot, plan.v_prev, plan.v_pos, plan.v_tok

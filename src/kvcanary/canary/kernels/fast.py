@@ -12,12 +12,13 @@ This module is the facade; the kernels live in one module per concept:
 * `fast_plan`: `build_plan`;
 * `fast_verify`: `verify` and its chunked / vectorized violation counters;
 * `fast_write_lanes`: the per-entry steps of a write chain, four-lane lockstep, the in-order writer;
-* `fast_write`: `write`, its parallel chain tasks and the ring replay.
+* `fast_write`: `write`, its parallel chain tasks and the ring replay;
+* `fast_stage`: `stage_serial`, a small stage's verify and write in one call.
 
 `verify_serial` and `write_serial` are the two parallel kernels compiled without threads,
 byte-equal to them: the runtime launches them for small stages (a decode step), where waking the
 thread pool, or waiting for a pool thread that other threads keep off a core, costs more than
-the work.
+the work. `stage_serial` (`fast_stage`) runs the two in one call.
 
 Performance (bench/kernels.py): each module's docstring notes what its kernel does for speed.
 Each kernel is one parallel region (a thread barrier): a barrier waits for every worker thread,
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from kvcanary.canary.kernels._intrinsics import HEAD_HASH_U64, fold_sources, mix3, splitmix64
 from kvcanary.canary.kernels.fast_plan import build_plan
+from kvcanary.canary.kernels.fast_stage import stage_serial
 from kvcanary.canary.kernels.fast_verify import verify, verify_serial
 from kvcanary.canary.kernels.fast_write import write, write_serial
 
@@ -38,6 +40,7 @@ __all__ = [
     "fold_sources",
     "mix3",
     "splitmix64",
+    "stage_serial",
     "verify",
     "verify_serial",
     "write",

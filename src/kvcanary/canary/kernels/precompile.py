@@ -29,6 +29,7 @@ from numba import types
 import kvcanary
 from kvcanary.canary.kernels import compile_cache
 from kvcanary.canary.kernels.fast_plan import build_plan
+from kvcanary.canary.kernels.fast_stage import stage_serial
 from kvcanary.canary.kernels.fast_verify import verify, verify_serial
 from kvcanary.canary.kernels.fast_write import write, write_serial
 
@@ -51,6 +52,8 @@ _SIGNATURES: dict[str, tuple[types.Type, ...]] = {
 }
 _SIGNATURES["verify_serial"] = _SIGNATURES["verify"]
 _SIGNATURES["write_serial"] = _SIGNATURES["write"]
+# verify's entry arrays and a verify flag, then write's arguments (sources and ring once)
+_SIGNATURES["stage_serial"] = (*_SIGNATURES["verify"][:5], _B, *_SIGNATURES["write"][1:])
 
 _KERNELS: dict[str, Callable[..., object]] = {
     "build_plan": build_plan,
@@ -58,6 +61,7 @@ _KERNELS: dict[str, Callable[..., object]] = {
     "write": write,
     "verify_serial": verify_serial,
     "write_serial": write_serial,
+    "stage_serial": stage_serial,
 }
 
 #: compile groups of about equal cost (seconds on a 2-core machine, each in a fresh process: write
@@ -65,7 +69,7 @@ _KERNELS: dict[str, Callable[..., object]] = {
 #: verify's serial twin ~1). The first group compiles in the calling process, which has its
 #: imports done; a child first spends ~2 s importing numba and the package.
 GROUPS: tuple[tuple[str, ...], ...] = (
-    ("write", "write_serial"),
+    ("write", "write_serial", "stage_serial"),
     ("verify", "verify_serial", "build_plan"),
 )
 

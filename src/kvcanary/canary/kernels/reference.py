@@ -221,3 +221,19 @@ def _signed(x: Any) -> int:
 #: the fast module's one-thread twins; the reference is single-threaded already
 verify_serial = verify
 write_serial = write
+
+
+def stage_serial(
+    buf: Arr, v_slot: Arr, v_prev: Arr, v_pos: Arr, v_tok: Arr, do_verify: bool, seeds: Arr,
+    req_offsets: Arr, w_slots: Arr, in_order: bool, input_ids: Arr, positions: Arr,
+    do_assert: bool, exp_tok: Arr, exp_pos: Arr, chain_position: bool, s0: Arr, s1: Arr, s2: Arr,
+    s3: Arr, params: Arr, count: int, tag: int, ring: Arr, state: Arr,
+) -> int:  # fmt: skip
+    """`verify` (when `do_verify`) then `write`; returns the ring's write index after the
+    verify (the fast module fuses the two into one call)."""
+    if do_verify:
+        verify(buf, v_slot, v_prev, v_pos, v_tok, s0, s1, s2, s3, params, count, tag, ring, state)
+    verified = int(state[0])
+    write(buf, seeds, req_offsets, w_slots, in_order, input_ids, positions, do_assert, exp_tok,
+          exp_pos, chain_position, s0, s1, s2, s3, params, count, tag, ring, state)  # fmt: skip
+    return verified
