@@ -47,10 +47,3 @@ def test_list_and_numpy_paths_agree(n: int, monkeypatch: pytest.MonkeyPatch) -> 
     assert (any(o == "ok" for o in large) and any(o != "ok" for o in large)) or n == 0
     assert any("precedes an active row" in o for o in large) or n < 2
     assert any("tokens but only" in o for o in large) or n == 0
-
-
-def test_count_writes_paths_agree() -> None:
-    rng = np.random.default_rng(7)
-    for n in (0, 1, 3, 32, 33, 100):
-        w = rng.integers(-1, 9, size=n, dtype=np.int64)
-        assert plan._count_writes(w) == int(np.count_nonzero(w >= 0))

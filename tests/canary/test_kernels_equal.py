@@ -156,6 +156,29 @@ def test_fast_and_reference_kernels_are_byte_equal(b: dict[str, Any]) -> None:
     assert run(REFERENCE_STAGE, b) == expected
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_packed_plan_holds_the_plan_arrays(b: dict[str, Any]) -> None:
+    """`build_plan_packed` (the runtime's call) is `build_plan` with its seven arrays laid end
+    to end, for both implementations: same arrays, scalars, error and records-written count."""
+    args = (b["rows"], b["prefix"], b["extend"], b["r2t"], b["out"], b["lut"], b["use_lut"],
+            b["window"], b["num_slots"], b["truth"], b["truth_lens"], b["offset"],
+            b["verify_capacity"])  # fmt: skip
+    for kernels in (fast, reference):
+        plan = kernels.build_plan(*args, np.full(b["num_slots"], -1, dtype=np.int64))
+        buf, nr, nw, nv, total_v, overflow, kind, value, shadowed, writes = (
+            kernels.build_plan_packed(*args, np.full(b["num_slots"], -1, dtype=np.int64))
+        )
+        assert [int(kind), int(value)] == np.asarray(plan[9]).astype(int).tolist()
+        if kind != 0:
+            continue  # arrays are unspecified on error
+        arrays = [np.asarray(a).tolist() for a in plan[:7]]
+        assert (nr, nw, nv) == (len(arrays[1]), len(arrays[2]), len(arrays[3]))
+        assert np.asarray(buf).tolist() == [x for a in arrays for x in a]
+        assert (int(total_v), bool(overflow), bool(shadowed)) == (plan[7], plan[8], plan[10])
+        assert int(writes) == sum(1 for s in arrays[2] if s >= 0)
+
+
 def test_generator_reaches_the_interesting_cases() -> None:
     """Guard against a vacuous property: the strategy produces violations, overflows and errors."""
     seen = {"violations": 0, "overflow": 0, "error": 0, "ring_full": 0, "uniform": 0,

@@ -13,7 +13,10 @@ import pytest
 
 from kvcanary.canary.kernels import fast, precompile
 
-_KERNELS = ("build_plan", "verify", "write", "verify_serial", "write_serial", "stage_serial")
+_KERNELS = (
+    "build_plan", "build_plan_packed", "verify", "write", "verify_serial", "write_serial",
+    "stage_serial",
+)  # fmt: skip
 
 
 def _env(cache_home: Path) -> dict[str, str]:
@@ -47,7 +50,7 @@ def test_the_runtime_calls_exactly_the_precompiled_signatures() -> None:
     # runtime hands a parallel kernel the very arguments it hands its twin.
     for n in _KERNELS:
         assert called[n] in ([], expected[n]), n
-    assert all(called[n] for n in ("build_plan", "verify_serial", "stage_serial")), called
+    assert all(called[n] for n in ("build_plan_packed", "verify_serial", "stage_serial")), called
 
 
 _STATS = """
@@ -56,8 +59,8 @@ from kvcanary.canary.kernels import fast, precompile
 precompile.precompile(cores=1)
 print(json.dumps({n: [sum(getattr(fast, n).stats.cache_hits.values()),
                       sum(getattr(fast, n).stats.cache_misses.values())]
-                  for n in ("build_plan", "verify", "write", "verify_serial", "write_serial",
-                            "stage_serial")}))
+                  for n in ("build_plan", "build_plan_packed", "verify", "write",
+                            "verify_serial", "write_serial", "stage_serial")}))
 """
 
 _PRECOMPILE_TWO_CORES = "from kvcanary.canary.kernels import precompile; precompile.precompile(2)"

@@ -308,42 +308,36 @@ def build_group_plan(
         raise ValueError(f"kv-canary: marks must be int64[{num_slots}], got {marks.shape}")
     use_lut = lut is not None
     lut_arr = lut if lut is not None else np.zeros(0, dtype=np.int64)
-    out = kernels.build_plan(
-        snap.rows, snap.prefix_lens, snap.extend_lens, snap.req_to_token, snap.out_slots,
-        lut_arr, use_lut, _NO_WINDOW if window is None else window, num_slots,
-        snap.truth, snap.truth_lens, offset, verify_capacity, marks,
+    packed, nr, nw, nv, total_v, overflow, err_kind, err_value, shadowed, writes = (
+        kernels.build_plan_packed(
+            snap.rows, snap.prefix_lens, snap.extend_lens, snap.req_to_token, snap.out_slots,
+            lut_arr, use_lut, _NO_WINDOW if window is None else window, num_slots,
+            snap.truth, snap.truth_lens, offset, verify_capacity, marks,
+        )
     )  # fmt: skip
-    err_kind, err_value = int(out[9][0]), int(out[9][1])
     if err_kind == 1:
         raise ValueError(
             f"kv-canary: SWA slot {err_value} is outside full_to_swa_index_mapping length "
             f"{len(lut_arr)}"
         )
     if err_kind == 2:
-        raise slot_error(err_value, group_name, num_slots)
+        raise slot_error(int(err_value), group_name, num_slots)
     if err_kind == 3:  # the one rows check (SPEC §14.2): name the first bad row
         check_rows_fit(snap.rows, snap.prefix_lens, snap.extend_lens, snap.req_to_token.shape)
         raise CanaryContractError("kv-canary: forward_view rows reach past req_to_token")
-    req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok = out[:7]
+    # the packed layout of `build_plan_packed`: req_offsets | seeds | w_slots | v_* (four)
+    w0 = 2 * nr + 1
+    v0 = w0 + nw
     return GroupPlan(
-        req_offsets,
-        seeds,
-        w_slots,
-        v_slot,
-        v_prev,
-        v_pos,
-        v_tok,
-        int(out[7]),
-        bool(out[8]),
-        bool(out[10]),
-        _count_writes(w_slots),
+        packed[: nr + 1],
+        packed[nr + 1 : w0],
+        packed[w0:v0],
+        packed[v0 : v0 + nv],
+        packed[v0 + nv : v0 + 2 * nv],
+        packed[v0 + 2 * nv : v0 + 3 * nv],
+        packed[v0 + 3 * nv : v0 + 4 * nv],
+        int(total_v),
+        bool(overflow),
+        bool(shadowed),
+        int(writes),
     )
-
-
-def _count_writes(w_slots: I64) -> int:
-    """Entries that store a record: the translated write slots are in `[-1, num_slots)`, so
-    every negative one is -1 (a few entries: a Python count, cheaper than a NumPy call)."""
-    if len(w_slots) <= _SMALL_BATCH:
-        slots: list[int] = w_slots.tolist()
-        return len(slots) - slots.count(-1)
-    return int(np.count_nonzero(w_slots >= 0))

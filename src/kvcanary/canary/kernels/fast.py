@@ -9,7 +9,7 @@ afterwards by a serial pass in plan order, so the ring is deterministic.
 This module is the facade; the kernels live in one module per concept:
 
 * `_intrinsics`: splitmix64 / mix3, the real-KV fold, row-prefetch intrinsics, the ring append;
-* `fast_plan`: `build_plan`;
+* `fast_plan`: `build_plan` (and `build_plan_packed`, its arrays in one buffer);
 * `fast_verify`: `verify` and its chunked / vectorized violation counters;
 * `fast_write_lanes`: the per-entry steps of a write chain, four-lane lockstep, the in-order writer;
 * `fast_write`: `write`, its parallel chain tasks and the ring replay;
@@ -29,7 +29,7 @@ loop) in a parallel function.
 from __future__ import annotations
 
 from kvcanary.canary.kernels._intrinsics import HEAD_HASH_U64, fold_sources, mix3, splitmix64
-from kvcanary.canary.kernels.fast_plan import build_plan
+from kvcanary.canary.kernels.fast_plan import build_plan, build_plan_packed
 from kvcanary.canary.kernels.fast_stage import stage_serial
 from kvcanary.canary.kernels.fast_verify import verify, verify_serial
 from kvcanary.canary.kernels.fast_write import write, write_serial
@@ -37,6 +37,7 @@ from kvcanary.canary.kernels.fast_write import write, write_serial
 __all__ = [
     "HEAD_HASH_U64",
     "build_plan",
+    "build_plan_packed",
     "fold_sources",
     "mix3",
     "splitmix64",

@@ -28,7 +28,7 @@ from numba import types
 
 import kvcanary
 from kvcanary.canary.kernels import compile_cache
-from kvcanary.canary.kernels.fast_plan import build_plan
+from kvcanary.canary.kernels.fast_plan import build_plan, build_plan_packed
 from kvcanary.canary.kernels.fast_stage import stage_serial
 from kvcanary.canary.kernels.fast_verify import verify, verify_serial
 from kvcanary.canary.kernels.fast_write import write, write_serial
@@ -53,10 +53,12 @@ _SIGNATURES: dict[str, tuple[types.Type, ...]] = {
 _SIGNATURES["verify_serial"] = _SIGNATURES["verify"]
 _SIGNATURES["write_serial"] = _SIGNATURES["write"]
 # verify's entry arrays and a verify flag, then write's arguments (sources and ring once)
+_SIGNATURES["build_plan_packed"] = _SIGNATURES["build_plan"]
 _SIGNATURES["stage_serial"] = (*_SIGNATURES["verify"][:5], _B, *_SIGNATURES["write"][1:])
 
 _KERNELS: dict[str, Callable[..., object]] = {
     "build_plan": build_plan,
+    "build_plan_packed": build_plan_packed,
     "verify": verify,
     "write": write,
     "verify_serial": verify_serial,
@@ -70,7 +72,7 @@ _KERNELS: dict[str, Callable[..., object]] = {
 #: imports done; a child first spends ~2 s importing numba and the package.
 GROUPS: tuple[tuple[str, ...], ...] = (
     ("write", "write_serial", "stage_serial"),
-    ("verify", "verify_serial", "build_plan"),
+    ("verify", "verify_serial", "build_plan", "build_plan_packed"),
 )
 
 

@@ -213,6 +213,18 @@ def write(
             running = mix3(running, tok, pos)
 
 
+def build_plan_packed(*args: Any) -> tuple[Any, ...]:
+    """`build_plan` in the fast module's packed layout (`fast_plan.build_plan_packed`)."""
+    req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, overflow, err, shadowed = (
+        build_plan(*args)
+    )
+    buf = np.concatenate([np.asarray(a, dtype=np.int64) for a in
+                          (req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok)])  # fmt: skip
+    writes = int((np.asarray(w_slots) >= 0).sum())
+    return (buf, len(seeds), len(w_slots), len(v_slot), int(total_v), bool(overflow),
+            int(err[0]), int(err[1]), bool(shadowed), writes)  # fmt: skip
+
+
 def _signed(x: Any) -> int:
     v = _u(x)
     return v - (1 << 64) if v >> 63 else v
