@@ -23,6 +23,7 @@ def install(
     *,
     kernels: str = "fast",
     perturb: PerturbHooks | None = None,
+    parallel_launches: bool = True,
 ) -> Canary | None:
     """A Canary with zeroed buffers for one KV pool, or None in mode `none`.
 
@@ -30,13 +31,15 @@ def install(
     `reference` (plain Python, for tests). Fault injection: when `perturb` is None and some
     `config.perturb` mode has p > 0, a `Perturber(config.perturb)` is built; a perturber that
     implements `BindsCanary` is bound to the new Canary. Its journal is `canary.injections()`.
+    `parallel_launches=False` runs every launch on the calling thread (see `Canary`).
     """
     if not config.enabled:
         return None
     if perturb is None and config.perturb.any_enabled:
         perturb = Perturber(config.perturb)
     canary = Canary(
-        config, groups, capacities, token_oracle=token_oracle, kernels=kernels, perturb=perturb
+        config, groups, capacities, token_oracle=token_oracle, kernels=kernels, perturb=perturb,
+        parallel_launches=parallel_launches,
     )
     if isinstance(perturb, BindsCanary):
         perturb.bind(canary)
