@@ -179,3 +179,23 @@ def test_the_isa_vllm_picks_on_this_machine_is_covered(dtype: torch.dtype, head_
     assert picked in ISAS
     for half in ("k", "v"):
         test_one_flipped_byte_in_the_live_cache_is_reported_at_exactly_its_slot(dtype, picked, half)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("heads", [1, 2, 8])
+def test_sources_and_mirror_hold_what_the_canary_folds(isa: str, heads: int) -> None:
+    """K of the first two heads (interleaved with their V in the K half) and V of the first
+    four: no other head is a source, and the mirror gathers only the mirrored sources' bytes,
+    16 per token each, in the order the sources name them."""
+    kv = torch.zeros(N, heads, B, 2 * D, dtype=torch.bfloat16)
+    layout = calibrate(kv, backend_writer(isa))
+    sources = build_sources(kv, layout, read_bytes=16)
+    k_heads, v_heads = min(heads, 2), min(heads, 4)
+    want = {("k", h) for h in range(k_heads)} | {("v", h) for h in range(v_heads)}
+    assert set(sources.by_head) == want
+    pairs = [(half, h) for h in range(k_heads) for half in ("k", "v")]
+    assert sources.k_half() == tuple(sources.by_head[p] for p in pairs)[:4]
+    assert sources.v_half() == tuple(sources.by_head[("v", h)] for h in range(v_heads))
+    mirrored = [p for p in sorted(want) if f"{p[0]}{p[1]}" in sources.mirrored]
+    width = 0 if sources.mirror is None else sources.mirror.rows.shape[1]
+    assert width == len(mirrored) * B * 16

@@ -239,7 +239,8 @@ class LayerSources:
         """The canary's K-half sources: K and V of the first heads, interleaved (`k0, v0, k1,
         v1`), so the default (K-half-only) canary fingerprints K as well as V."""
         heads = sorted({h for _, h in self.by_head})
-        order = [self.by_head[(half, h)] for h in heads for half in ("k", "v")]
+        order = [self.by_head[key] for h in heads for key in (("k", h), ("v", h))
+                 if key in self.by_head]  # fmt: skip
         return tuple(order[:MAX_HEADS])
 
     def v_half(self) -> tuple[RealKvSource, ...]:
@@ -249,18 +250,22 @@ class LayerSources:
 
 
 def build_sources(cache: torch.Tensor, layout: TokenByteMap, read_bytes: int) -> LayerSources:
-    """One source per half and head (first `MAX_HEADS` heads): a zero-copy view where the head is
-    token-major, else a slice of one shared `KvMirror` holding `read_bytes` per token."""
+    """One source per half and head that `k_half` or `v_half` hands the canary (K of the first
+    `MAX_HEADS // 2` heads, V of the first `MAX_HEADS`): a zero-copy view where the head is
+    token-major, else a slice of one shared `KvMirror` holding `read_bytes` per token. The mirror
+    is re-gathered before every TAIL, so it holds no head the canary never folds (with 8 KV
+    heads, K of heads 2 and 3 had doubled its work)."""
     n = cache.shape[0]
     b = layout.block_size
     d_bytes = layout.k.shape[2] * layout.element_size
     read = min(read_bytes, d_bytes)
-    heads = range(min(MAX_HEADS, layout.k.shape[0]))
+    heads = {"k": range(min(MAX_HEADS // 2, layout.k.shape[0])),
+             "v": range(min(MAX_HEADS, layout.k.shape[0]))}  # fmt: skip
     as_bytes = cache.view(torch.uint8).view(n, -1)
     gather: list[npt.NDArray[np.int64]] = []
     plan: list[tuple[str, int, int | None]] = []  # (half, head, mirror column or None)
     for half in ("k", "v"):
-        for h in heads:
+        for h in heads[half]:
             if layout.is_token_major(half, h):
                 plan.append((half, h, None))
                 continue
