@@ -38,7 +38,12 @@ def install(
     if perturb is None and config.perturb.any_enabled:
         perturb = Perturber(config.perturb)
     canary = Canary(
-        config, groups, capacities, token_oracle=token_oracle, kernels=kernels, perturb=perturb,
+        config,
+        groups,
+        capacities,
+        token_oracle=token_oracle,
+        kernels=kernels,
+        perturb=perturb,
         parallel_launches=parallel_launches,
     )
     if isinstance(perturb, BindsCanary):

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -374,10 +375,7 @@ class Canary:
                 scratch.prepare(len(plan.v_slot) + 2 * len(plan.w_slots))
                 kernels.stage(
                     words, plan.v_slot, plan.v_prev, plan.v_pos, plan.v_tok, not plan.overflow,
-                    plan.seeds, plan.req_offsets, plan.w_slots, plan.shadowed, snap.input_ids,
-                    snap.positions, snap.write_assert, snap.expected_tokens,
-                    snap.expected_positions, chain_position, *src.words, src.params, src.count,
-                    int(tag), scratch.words, scratch.state,
+                    *self._write_args(plan, snap, chain_position, src, tag),
                 )  # fmt: skip
                 rows = scratch.take()
                 if len(rows):
@@ -397,12 +395,7 @@ class Canary:
             else:
                 self.kernel_run_counter[tag] += 1
             scratch.prepare(2 * len(plan.w_slots))  # write-input + chain-position per entry
-            kernels.write(
-                words, plan.seeds, plan.req_offsets, plan.w_slots, plan.shadowed, snap.input_ids,
-                snap.positions, snap.write_assert, snap.expected_tokens,
-                snap.expected_positions, chain_position, *src.words, src.params, src.count,
-                int(tag), scratch.words, scratch.state,
-            )  # fmt: skip
+            kernels.write(words, *self._write_args(plan, snap, chain_position, src, tag))
             rows = scratch.take()
             if len(rows):
                 self.ring.absorb(rows)
@@ -412,6 +405,24 @@ class Canary:
                     )
             self.kernel_run_counter[tag] += 1
             self.slot_run_counter[tag] += plan.num_writes
+
+    def _write_args(
+        self,
+        plan: GroupPlan,
+        snap: ViewSnapshot,
+        chain_position: bool,
+        src: FoldSources,
+        tag: LaunchTag,
+    ) -> tuple[Any, ...]:
+        """The write kernel's arguments after the record buffer (also `stage`'s tail), into the
+        scratch ring as last prepared."""
+        scratch = self._pass_rows
+        return (
+            plan.seeds, plan.req_offsets, plan.w_slots, plan.shadowed, snap.input_ids,
+            snap.positions, snap.write_assert, snap.expected_tokens, snap.expected_positions,
+            chain_position, *src.words, src.params, src.count, int(tag), scratch.words,
+            scratch.state,
+        )  # fmt: skip
 
     def _kernels_for(self, entries: int) -> _Kernels:
         """The kernels for a launch of `entries` verify + write entries."""

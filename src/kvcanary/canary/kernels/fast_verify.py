@@ -160,6 +160,17 @@ def _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi):  # type: ignore[no-un
 
 
 @internal
+def _row_and_chain(flat, s, p):  # type: ignore[no-untyped-def]
+    """(word index of row `s` in `flat`, the chain hash entry (s, p) must hold): mix3 of its
+    chain input row (`_chain_input`), HEAD_HASH for p == -1. Unsigned indices, so numba emits
+    no negative-index wraparound (slots are range-checked before any kernel, SPEC §14.2), which
+    keeps the lanes loops that call it vectorizable."""
+    q = uint64(s if (p == 0) | (p == -1) else p) * uint64(4)
+    h = mix3(flat[q + uint64(2)], flat[q], flat[q + uint64(1)])
+    return uint64(s) * uint64(4), HEAD_HASH_U64 if p == -1 else h
+
+
+@internal
 def _plain_lanes(buf, slots, prevs, poss, toks):  # type: ignore[no-untyped-def]
     """Entries of `slots` (a chunk's slice) with a violation, no real-KV sources (fold 0): one
     branch-free loop that LLVM vectorizes with gathers (four entries per AVX2/AVX-512 lane
@@ -172,10 +183,7 @@ def _plain_lanes(buf, slots, prevs, poss, toks):  # type: ignore[no-untyped-def]
     flat = _flat_rows(buf)
     for k in range(slots.shape[0]):
         s, p, t = slots[k], prevs[k], toks[k]
-        q = uint64(s if (p == 0) | (p == -1) else p) * uint64(4)
-        u = uint64(s) * uint64(4)
-        h = mix3(flat[q + uint64(2)], flat[q], flat[q + uint64(1)])
-        exp_chain = HEAD_HASH_U64 if p == -1 else h
+        u, exp_chain = _row_and_chain(flat, s, p)
         ok = (
             ((p == 0) | (flat[u + uint64(2)] == exp_chain))
             & (flat[u + uint64(1)] == uint64(poss[k]))
@@ -237,10 +245,7 @@ def _folded_lanes(  # type: ignore[no-untyped-def]
     mask = page - 1
     for k in range(slots.shape[0]):
         s, p, t = slots[k], prevs[k], toks[k]
-        q = uint64(s if (p == 0) | (p == -1) else p) * uint64(4)
-        u = uint64(s) * uint64(4)
-        h = mix3(flat[q + uint64(2)], flat[q], flat[q + uint64(1)])
-        exp_chain = HEAD_HASH_U64 if p == -1 else h
+        u, exp_chain = _row_and_chain(flat, s, p)
         row = (s >> shift) & _NONNEG
         lo = s & mask
         fold = splitmix64(_pair_at(s0, row, (lo * w0) & _NONNEG))
