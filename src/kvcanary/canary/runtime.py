@@ -15,6 +15,7 @@ from kvcanary.canary.buffers import GroupBuffers
 from kvcanary.canary.capacities import CanaryLaunchCapacities
 from kvcanary.canary.config import CanaryConfig, CanaryMode
 from kvcanary.canary.errors import CanaryHealthError, CanaryViolationError
+from kvcanary.canary.fused import FusedForward, PackedForward
 from kvcanary.canary.incidents import IncidentCollector, PassRows
 from kvcanary.canary.kernels import KERNEL_IMPLEMENTATIONS
 from kvcanary.canary.monitors import HealthChecker, stats_line, warn_verify_overflow
@@ -56,8 +57,12 @@ class _Kernels:
 
 @dataclass(frozen=True, slots=True)
 class _OpenForward:
-    snapshot: ViewSnapshot
-    plans: dict[str, GroupPlan]
+    """A forward between HEAD and TAIL: the general path's snapshot and plans, or (`fused`) the
+    packed plan of a forward whose HEAD ran fused, whose TAIL then runs fused too."""
+
+    snapshot: ViewSnapshot | None
+    plans: dict[str, GroupPlan] | None
+    fused: PackedForward | None = None
 
 
 class Canary:
@@ -146,6 +151,20 @@ class Canary:
             )
             for stage in ("head", "tail")
         }  # fmt: skip
+        # The fused path (`canary.fused`) where it applies to every forward of this install;
+        # a fault injector, attached later, turns it off per forward.
+        (only_group,) = self.groups[:1]
+        self._fused = (
+            FusedForward(
+                self._kernels, only_group,
+                {stage: launch[0][1:] for stage, launch in self._launches.items()},
+                capacities, serial_limit=SERIAL_LAUNCH_ENTRIES if parallel_launches else 1 << 62,
+                token_check=config.verify_token_check, scratch=self._pass_rows,
+            )
+            if hasattr(self._kernels, "forward_head") and len(self._launches["head"]) == 1
+            and not config.recover and not config.enable_write_input_assert
+            else None
+        )  # fmt: skip
         stages = ("head", "tail", "sweep") if config.sweep_interval > 0 else ("head", "tail")
         self._active_tags = tuple(
             sorted(self._tags[stage, half, g.name] for g in self.groups for half in g.halves
@@ -177,6 +196,11 @@ class Canary:
             raise CanaryContractError("kv-canary: pre_forward called twice without post_forward")
         if self._perturb is not None:
             self._perturb.before_plan(view=view, step=self.step)
+        elif self._fused is not None:
+            fwd = self._fused.head(view, self.chain_position_assert_enabled)
+            if fwd is not None:
+                self._open_fused(fwd)
+                return
         snap = snapshot_view(
             view,
             capacities=self.capacities,
@@ -200,7 +224,13 @@ class Canary:
                 "kv-canary: post_forward called without a matching pre_forward"
             )
         opened, self._open = self._open, None
-        self._run_stage("tail", opened.snapshot, opened.plans)
+        if opened.fused is not None:
+            assert self._fused is not None
+            self._fused.tail(opened.fused)
+            self._fused_stage_done("tail", opened.fused)
+        else:
+            assert opened.snapshot is not None and opened.plans is not None
+            self._run_stage("tail", opened.snapshot, opened.plans)
         self._pump()
         if self._perturb is not None:
             self._perturb.after_tail(view=view, step=self.step)
@@ -344,6 +374,35 @@ class Canary:
         return [] if self._perturb is None else self._perturb.injections()
 
     # ----------------------------------------------------------------- internals
+    def _open_fused(self, fwd: PackedForward) -> None:
+        """`pre_forward` after `FusedForward.head` planned `fwd` (and ran HEAD when staged)."""
+        if fwd.overflow:
+            warn_verify_overflow(fwd.total_v, self.capacities.verify_capacity)
+        if fwd.staged:
+            self._open = _OpenForward(None, None, fwd)
+        else:  # too large for one thread: the general stages over the same plan
+            snap, plans = fwd.snapshot(), {self.groups[0].name: fwd.plan()}
+            self._open = _OpenForward(snap, plans)
+        self._health.note_forward()
+        try:
+            if fwd.staged:
+                self._fused_stage_done("head", fwd)
+            else:
+                self._run_stage("head", snap, plans)
+            self._pump()
+        except CanaryViolationError:
+            self._open = None  # the forward will not run
+            raise
+
+    def _fused_stage_done(self, stage: str, fwd: PackedForward) -> None:
+        """A fused stage's bookkeeping, as `_run_stage` keeps it for a fused serial launch."""
+        rows = self._pass_rows.take()
+        if len(rows):
+            self.ring.absorb(rows)
+        tag = self._launches[stage][0][1]
+        self.kernel_run_counter[tag] += 2  # a verify (or its overflow skip) and a write
+        self.slot_run_counter[tag] += fwd.nv + fwd.writes
+
     def _plan_group(self, g: GroupBuffers, snap: ViewSnapshot) -> GroupPlan:
         plan = build_group_plan(
             self._kernels,

@@ -28,6 +28,7 @@ from numba import types
 
 import kvcanary
 from kvcanary.canary.kernels import compile_cache
+from kvcanary.canary.kernels.fast_forward import forward_head, forward_tail
 from kvcanary.canary.kernels.fast_plan import build_plan, build_plan_packed
 from kvcanary.canary.kernels.fast_stage import stage_serial
 from kvcanary.canary.kernels.fast_verify import verify, verify_serial
@@ -56,6 +57,17 @@ _SIGNATURES["write_serial"] = _SIGNATURES["write"]
 _SIGNATURES["build_plan_packed"] = _SIGNATURES["build_plan"]
 _SIGNATURES["stage_serial"] = (*_SIGNATURES["verify"][:5], _B, *_SIGNATURES["write"][1:])
 
+# the fused path (`canary.fused`): the view's six arrays, the reference engine's int32 table,
+# no truth table (int64, empty), then capacities, the group and one launch (`forward_head`);
+# the packed plan's sizes and flags, then one launch (`forward_tail`). vLLM's int64 table and
+# int32 token table compile on its first forward (numba's disk cache keeps them).
+_LAUNCH = (_U64_2D, *_SOURCES, *_RING)
+_SIGNATURES["forward_head"] = (
+    *(_I64,) * 6, _I32_2D, _I64_2D, _I64, _B, _N, _N, _I64, _B, _N, _N, _N, _N, _I64, _N, _B,
+    *_LAUNCH,
+)  # fmt: skip
+_SIGNATURES["forward_tail"] = (_I64, _N, _N, _N, _N, _B, _B, _B, *_LAUNCH)
+
 _KERNELS: dict[str, Callable[..., object]] = {
     "build_plan": build_plan,
     "build_plan_packed": build_plan_packed,
@@ -64,6 +76,8 @@ _KERNELS: dict[str, Callable[..., object]] = {
     "verify_serial": verify_serial,
     "write_serial": write_serial,
     "stage_serial": stage_serial,
+    "forward_head": forward_head,
+    "forward_tail": forward_tail,
 }
 
 #: compile groups of about equal cost (seconds on a 2-core machine, each in a fresh process: write
@@ -71,7 +85,7 @@ _KERNELS: dict[str, Callable[..., object]] = {
 #: verify's serial twin ~1). The first group compiles in the calling process, which has its
 #: imports done; a child first spends ~2 s importing numba and the package.
 GROUPS: tuple[tuple[str, ...], ...] = (
-    ("write", "write_serial", "stage_serial"),
+    ("write", "write_serial", "stage_serial", "forward_tail", "forward_head"),
     ("verify", "verify_serial", "build_plan", "build_plan_packed"),
 )
 

@@ -1,0 +1,187 @@
+"""The fused forward: HEAD's snapshot, plan and stage in one compiled call, TAIL in another.
+
+`Canary` takes this path for the common forward (one group with one launch per stage, no fault
+injector, not `recover`, no write-input assert, a view of plain int64 NumPy arrays) and the
+general path (`plan.snapshot_view`, `plan.build_group_plan`, `Canary._run_stage`) for everything
+else. The two are the same function of the view: the same records, the same ring rows, the same
+errors (tests/canary/test_fused.py checks it on random views, good and bad). Anything the
+compiled checks do not pass falls back to the general path before any record is written, and
+that path raises the SPEC's error for a bad view.
+
+Why: in vLLM the canary's per-step cost was mostly interpreter time around small kernels (six
+calls, their scratch passes and the objects between them), and after a model forward that
+Python runs with cold caches at two to three times its warm cost.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvcanary.canary.buffers import GroupBuffers
+from kvcanary.canary.capacities import CanaryLaunchCapacities
+from kvcanary.canary.incidents import PassRows
+from kvcanary.canary.plan import GroupPlan, ViewSnapshot
+from kvcanary.canary.sources import FoldSources
+from kvcanary.contract.tags import LaunchTag
+from kvcanary.contract.view import ForwardView, TruthTable
+
+__all__ = ["FusedForward", "PackedForward"]
+
+I64 = npt.NDArray[np.int64]
+_INT64 = np.dtype(np.int64)
+_TABLE_DTYPES = (np.dtype(np.int32), _INT64)
+_NO_WINDOW = 1 << 62
+_DONE, _PLAN_ONLY, _GROW_SCRATCH = 0, 1, 2  # `kernels.fast_forward` statuses (3: fall back)
+
+
+class PackedForward(NamedTuple):
+    """A forward `FusedForward.head` planned: the packed buffer of `kernels.fast_forward` and its
+    sizes, the live tables it read, and whether its HEAD stage already ran."""
+
+    packed: I64
+    nr: int  # view rows
+    nt: int  # flat entries
+    nw: int  # write entries
+    nv: int  # verify entries
+    total_v: int
+    overflow: bool
+    shadowed: bool
+    writes: int  # write entries that store a record
+    linear_chain: bool  # the view's
+    chain_position: bool  # the chain-position assert runs (enabled, and a linear chain)
+    staged: bool  # HEAD ran inside the call (else: too large for one thread)
+    req_to_token: npt.NDArray[np.integer[Any]]
+    truth: npt.NDArray[np.integer[Any]]
+
+    def snapshot(self) -> ViewSnapshot:
+        """The `ViewSnapshot` the general path would have taken (for a stage it launches)."""
+        p, nr, nt = self.packed, self.nr, self.nt
+        empty = np.zeros(0, dtype=np.int64)
+        return ViewSnapshot(
+            rows=p[:nr], prefix_lens=p[nr : 2 * nr], extend_lens=p[2 * nr : 3 * nr],
+            input_ids=p[4 * nr : 4 * nr + nt], positions=p[4 * nr + nt : 4 * nr + 2 * nt],
+            out_slots=p[4 * nr + 2 * nt : 4 * nr + 3 * nt], req_to_token=self.req_to_token,
+            expected_tokens=empty, expected_positions=empty, write_assert=False,
+            truth=self.truth, truth_lens=p[3 * nr : 4 * nr],
+            linear_chain=self.linear_chain,
+        )  # fmt: skip
+
+    def plan(self) -> GroupPlan:
+        """The group's `GroupPlan` (slices of the packed buffer)."""
+        p, nr, nw, nv = self.packed, self.nr, self.nw, self.nv
+        k = 4 * nr + 3 * self.nt
+        w0 = k + 2 * nr + 1
+        v0 = w0 + nw
+        return GroupPlan(
+            p[k : k + nr + 1], p[k + nr + 1 : w0], p[w0:v0], p[v0 : v0 + nv],
+            p[v0 + nv : v0 + 2 * nv], p[v0 + 2 * nv : v0 + 3 * nv], p[v0 + 3 * nv : v0 + 4 * nv],
+            self.total_v, self.overflow, self.shadowed, self.writes,
+        )  # fmt: skip
+
+
+def _plain(a: Any) -> bool:
+    """A 1-D int64 NumPy array (what the compiled checks take; anything else falls back)."""
+    return type(a) is np.ndarray and a.ndim == 1 and a.dtype == _INT64
+
+
+def _table(a: Any, ndim: int) -> npt.NDArray[np.integer[Any]] | None:
+    """`a` as an int32/int64 NumPy array of `ndim` dimensions sharing its memory, or None."""
+    if type(a) is torch.Tensor and a.is_cpu and not a.requires_grad:
+        a = a.numpy()
+    if type(a) is np.ndarray and a.ndim == ndim and a.dtype in _TABLE_DTYPES:
+        return a
+    return None
+
+
+class FusedForward:
+    """The fused path of one canary: its group's constant kernel arguments, bound once.
+
+    `head(view)` returns None when the general path must run (nothing was written then), else a
+    `PackedForward` whose HEAD stage ran in the call (`staged`) or whose stages the runtime
+    launches itself (too large for one thread). `tail(fwd)` runs a staged forward's TAIL. Both
+    leave the stage's ring rows in `scratch` (the runtime absorbs them).
+    """
+
+    def __init__(
+        self,
+        kernels: ModuleType,
+        group: GroupBuffers,
+        launches: dict[str, tuple[LaunchTag, npt.NDArray[np.uint64], FoldSources]],
+        capacities: CanaryLaunchCapacities,
+        *,
+        serial_limit: int,
+        token_check: bool,
+        scratch: PassRows,
+    ) -> None:
+        self._head_kernel = kernels.forward_head
+        self._tail_kernel = kernels.forward_tail
+        self._group = group
+        self._lut = group.lut if group.lut is not None else np.zeros(0, dtype=np.int64)
+        self._window = _NO_WINDOW if group.window is None else group.window
+        self._caps = (capacities.write_req_capacity, capacities.write_entry_capacity)
+        self._verify_capacity = capacities.verify_capacity
+        self._serial_limit = serial_limit
+        self._token_check = token_check
+        self._scratch = scratch
+        head_tag, head_words, head_src = launches["head"]
+        tail_tag, tail_words, tail_src = launches["tail"]
+        self._head = (head_words, *head_src.words, head_src.params, head_src.count, int(head_tag))
+        self._tail = (tail_words, *tail_src.words, tail_src.params, tail_src.count, int(tail_tag))
+        self._no_truth = np.zeros((0, 0), dtype=np.int64)
+        self._no_lens = np.zeros(0, dtype=np.int64)
+
+    def head(self, view: ForwardView, chain_position_enabled: bool) -> PackedForward | None:
+        """Check, snapshot and plan `view`; run its HEAD stage when it is small. None: take the
+        general path (a view these checks do not pass, or in a form they do not read)."""
+        arrays = (view.rows, view.prefix_lens, view.extend_lens, view.input_ids, view.positions,
+                  view.out_slots)  # fmt: skip
+        if not all(map(_plain, arrays)):
+            return None
+        r2t = _table(view.req_to_token, 2)
+        if r2t is None:
+            return None
+        truth: npt.NDArray[np.integer[Any]] = self._no_truth
+        lens: npt.NDArray[np.integer[Any]] = self._no_lens
+        has_truth = False
+        given = view.truth_tokens
+        if self._token_check and given is not None:
+            if type(given) is not TruthTable:
+                return None
+            table, lengths = _table(given.tokens, 2), _table(given.lens, 1)
+            if table is None or lengths is None:
+                return None
+            truth, lens, has_truth = table, lengths, True
+        linear_chain = bool(view.linear_chain)
+        chain_position = chain_position_enabled and linear_chain
+        g = self._group
+        scratch = self._scratch
+        while True:
+            out = self._head_kernel(
+                *arrays, r2t, truth, lens, has_truth, *self._caps, self._lut, g.lut is not None,
+                self._window, g.num_slots, g.offset, self._verify_capacity, g.write_marks,
+                self._serial_limit, chain_position, *self._head, scratch.words, scratch.state,
+            )  # fmt: skip
+            status = out[1]
+            if status != _GROW_SCRATCH:
+                break
+            scratch.prepare(out[2])  # then plan again: the plan is a pure function of the view
+        if status > _GROW_SCRATCH:
+            return None
+        packed, _, _, nr, nt, nw, nv, total_v, overflow, shadowed, writes, _ = out
+        return PackedForward(
+            packed, nr, nt, nw, nv, total_v, overflow, shadowed, writes, linear_chain,
+            chain_position, status == _DONE, r2t, truth if has_truth else np.zeros((nr, 0), dtype=np.int64),
+        )  # fmt: skip
+
+    def tail(self, fwd: PackedForward) -> None:
+        """The TAIL stage of a staged forward (its rows in the scratch)."""
+        scratch = self._scratch
+        self._tail_kernel(
+            fwd.packed, fwd.nr, fwd.nt, fwd.nw, fwd.nv, fwd.overflow, fwd.shadowed,
+            fwd.chain_position, *self._tail, scratch.words, scratch.state,
+        )  # fmt: skip

@@ -1,0 +1,160 @@
+"""Numba `forward_head` / `forward_tail`: a small forward's whole canary work in one call each.
+
+`forward_head` does what `Canary.pre_forward` does for the common view (one launch per stage,
+no fault injector, not `recover`), on the calling thread: the snapshot's contract checks
+(SPEC §2.2, §6), the copies, the plan with its range checks (§5.1, §14.2) and the HEAD stage.
+`forward_tail` runs the TAIL stage over the same packed plan. In vLLM the Python around a
+forward's six small calls (snapshot, plan, two stages, their scratch passes) cost about three
+times the work, most of it cold-cache interpreter time right after the model's forward.
+
+Nothing here raises or formats an error: any view the checks do not pass returns `FALLBACK`
+before anything is written, and the runtime runs the general path, which names the problem in
+the SPEC's words (or, where these checks were only conservative, does the work). The packed
+buffer is `rows | prefix_lens | extend_lens | truth_lens | input_ids | positions | out_slots |
+req_offsets | seeds | w_slots | v_slot | v_prev | v_pos | v_tok` (`fused.PackedForward` reads it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from kvcanary.canary.kernels.fast_plan import build_plan
+from kvcanary.canary.kernels.fast_stage import stage_serial
+
+__all__ = ["DONE", "FALLBACK", "GROW_SCRATCH", "PLAN_ONLY", "forward_head", "forward_tail"]
+
+#: `forward_head` statuses: the HEAD stage ran; the plan is built but the stage is too large
+#: for one thread (the runtime launches it); the scratch ring needs `value` rows (call again);
+#: the view is not the common case (the runtime takes the general path).
+DONE, PLAN_ONLY, GROW_SCRATCH, FALLBACK = 0, 1, 2, 3
+
+
+@njit(cache=True)
+def _no_assert(n):  # type: ignore[no-untyped-def]
+    """False, typed `bool`: a literal False would compile `stage_serial` (and its verify and
+    write) once more for a `Literal[bool]` argument instead of reusing the runtime's."""
+    return n < 0
+
+
+@njit(cache=True)
+def _view_fits(rows, prefix, extend, input_ids, positions, out_slots, req_cap, entry_cap):  # type: ignore[no-untyped-def]
+    """`snapshot_view`'s checks: lengths agree, padding rows (0) only after the active rows,
+    whose write lengths fit the flat entries, and both capacities hold."""
+    nr = rows.shape[0]
+    nt = input_ids.shape[0]
+    if prefix.shape[0] != nr or extend.shape[0] != nr:
+        return False
+    if positions.shape[0] != nt or out_slots.shape[0] != nt:
+        return False
+    if nr > req_cap or nt > entry_cap:
+        return False
+    padding = False
+    need = np.int64(0)
+    for r in range(nr):
+        if rows[r] == 0:
+            padding = True
+        elif padding:
+            return False
+        elif extend[r] > 0:
+            need += min(extend[r], nt + 1)  # capped: exact whenever the sum fits
+            if need > nt:
+                return False
+    return True
+
+
+@njit(cache=True)
+def forward_head(  # type: ignore[no-untyped-def]
+    rows, prefix, extend, input_ids, positions, out_slots, r2t, truth, truth_lens, has_truth,
+    req_cap, entry_cap, lut, use_lut, window, num_slots, offset, verify_capacity, marks,
+    serial_limit, chain_position, buf, s0, s1, s2, s3, params, count, tag, ring, state,
+):  # fmt: skip
+    """Check, snapshot and plan one view, then run its HEAD stage (`stage_serial`, rows into
+    `ring`/`state`, reset first) when it is small. Returns `(packed, status, value, rows,
+    tokens, writes, verify entries, total_v, overflow, shadowed, records written, verified)`:
+    `value` is the scratch rows needed (`GROW_SCRATCH`), `verified` the ring rows of the
+    verify (`DONE`)."""
+    nr = rows.shape[0]
+    nt = input_ids.shape[0]
+    none = np.empty(0, dtype=np.int64)
+    if not _view_fits(rows, prefix, extend, input_ids, positions, out_slots, req_cap,
+                      entry_cap):  # fmt: skip
+        return none, FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
+    lens = np.zeros(nr, dtype=np.int64)
+    if has_truth:  # `_truth_from_table`: its rows, the given lengths, none negative
+        n = min(truth_lens.shape[0], nr)
+        if n > truth.shape[0]:
+            return none, FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
+        for r in range(n):
+            if truth_lens[r] < 0:
+                return none, FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
+            lens[r] = truth_lens[r]
+    req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, overflow, err, shadowed = (
+        build_plan(rows, prefix, extend, r2t, out_slots, lut, use_lut, window, num_slots, truth,
+                   lens, offset, verify_capacity, marks)
+    )  # fmt: skip
+    if err[0] != 0:
+        return none, FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
+    nw, nv = w_slots.shape[0], v_slot.shape[0]
+    packed = np.empty(4 * nr + 3 * nt + 2 * nr + 1 + nw + 4 * nv, dtype=np.int64)
+    k = 0
+    for arr in (rows, prefix, extend, lens):
+        packed[k : k + nr] = arr
+        k += nr
+    for arr in (input_ids, positions, out_slots):
+        packed[k : k + nt] = arr
+        k += nt
+    packed[k : k + nr + 1] = req_offsets
+    k += nr + 1
+    packed[k : k + nr] = seeds
+    k += nr
+    packed[k : k + nw] = w_slots
+    k += nw
+    for arr in (v_slot, v_prev, v_pos, v_tok):
+        packed[k : k + nv] = arr
+        k += nv
+    writes = 0
+    for i in range(nw):
+        writes += w_slots[i] >= 0
+    status = DONE
+    value = 0
+    verified = 0
+    if nv + nw >= serial_limit:
+        status = PLAN_ONLY
+    elif nv + 2 * nw > ring.shape[0]:  # a verify row per entry, two write rows per entry
+        status = GROW_SCRATCH
+        value = nv + 2 * nw
+    else:
+        state[0] = 0
+        verified = stage_serial(
+            buf, v_slot, v_prev, v_pos, v_tok, not overflow, seeds, req_offsets, w_slots,
+            shadowed, input_ids, positions, _no_assert(nr), none, none, chain_position, s0, s1, s2, s3,
+            params, count, tag, ring, state,
+        )  # fmt: skip
+    return packed, status, value, nr, nt, nw, nv, total_v, overflow, shadowed, writes, verified
+
+
+@njit(cache=True)
+def forward_tail(  # type: ignore[no-untyped-def]
+    packed, nr, nt, nw, nv, overflow, shadowed, chain_position, buf, s0, s1, s2, s3, params,
+    count, tag, ring, state,
+):  # fmt: skip
+    """The TAIL stage of a plan `forward_head` packed (the scratch ring sized by it), rows
+    into `ring`/`state` (reset first); returns the ring rows of the verify."""
+    none = np.empty(0, dtype=np.int64)
+    ids = packed[4 * nr : 4 * nr + nt]
+    pos = packed[4 * nr + nt : 4 * nr + 2 * nt]
+    k = 4 * nr + 3 * nt
+    req_offsets = packed[k : k + nr + 1]
+    k += nr + 1
+    seeds = packed[k : k + nr]
+    k += nr
+    w_slots = packed[k : k + nw]
+    k += nw
+    state[0] = 0
+    return stage_serial(
+        buf, packed[k : k + nv], packed[k + nv : k + 2 * nv], packed[k + 2 * nv : k + 3 * nv],
+        packed[k + 3 * nv : k + 4 * nv], not overflow, seeds, req_offsets, w_slots, shadowed,
+        ids, pos, _no_assert(nr), none, none, chain_position, s0, s1, s2, s3, params, count, tag, ring,
+        state,
+    )  # fmt: skip
