@@ -100,12 +100,13 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
             truth = TruthTable(tokens, g.table(lens, (len(lens),)))
         elif pick < 0.6:
             truth = [list(range(int(rng.integers(0, width + 2)))) for _ in range(b)]
+        lax = int(rng.random() < 0.3)  # a walk with slots one past either end of the group
         forwards.append({
             "fields": fields, "truth": truth, "linear": bool(rng.random() < 0.8),
             "kv_flip": int(rng.integers(-n * 32, n * 32)),
             "record_flip": int(rng.integers(-4 * n * 32, n * 32)),
-            "walk": list(zip(g.values(0, n - 1, 3), g.values(0, 8, 3), g.values(-1, n - 1, 3),
-                             strict=True)),
+            "walk": list(zip(g.values(-lax, n - 1 + lax, 3), g.values(0, 8, 3),
+                             g.values(-1 - lax, n - 1 + lax, 3), strict=True)),
         })  # fmt: skip
     return {
         "n": n,
@@ -194,11 +195,17 @@ def test_fused_forward_equals_the_general_path(sc: dict[str, Any]) -> None:
 
 def test_the_fuzz_takes_every_path_and_reaches_errors_and_violations() -> None:
     """Guard against a vacuous property: fused forwards (staged and launched), general ones,
-    contract errors of several kinds and violations all occur."""
+    fused sweeps and sweeps handed back, contract errors of several kinds and violations all
+    occur."""
     seen: dict[str, int] = {"violations": 0}
     paths: list[str] = []
     heads: list[bool] = []
-    real_head = FusedForward.head
+    real_head, real_sweep = FusedForward.head, FusedForward.sweep
+    sweeps: list[bool] = []
+
+    def sweep(self: FusedForward, walked: Any) -> bool:
+        sweeps.append(real_sweep(self, walked))
+        return sweeps[-1]
 
     def head(self: FusedForward, view: ForwardView, chain: bool) -> Any:
         fwd = real_head(self, view, chain)
@@ -216,8 +223,12 @@ def test_the_fuzz_takes_every_path_and_reaches_errors_and_violations() -> None:
             else:
                 seen["violations"] += event[3] > 0
 
-    with mock.patch.object(FusedForward, "head", head):
+    with (
+        mock.patch.object(FusedForward, "head", head),
+        mock.patch.object(FusedForward, "sweep", sweep),
+    ):
         probe()
+    assert sweeps.count(True) > 100 and sweeps.count(False) > 10, (sweeps.count(True), len(sweeps))
     launched = sum(heads)  # fused plans whose stages the runtime launched
     assert paths.count("staged") > 100, paths.count("staged")
     assert launched > 10, launched

@@ -15,7 +15,7 @@ from kvcanary.canary.kernels import fast, precompile
 
 _KERNELS = (
     "build_plan", "build_plan_packed", "verify", "write", "verify_serial", "write_serial",
-    "stage_serial", "forward_head", "forward_tail",
+    "stage_serial", "forward_head", "forward_tail", "sweep_serial",
 )  # fmt: skip
 
 
@@ -48,10 +48,11 @@ def test_the_runtime_calls_exactly_the_precompiled_signatures() -> None:
     # A small run launches only the serial twins (every stage is below SERIAL_LAUNCH_ENTRIES):
     # each forward through the fused path (`forward_head`, `forward_tail`, which call
     # `build_plan` and `stage_serial` with the runtime's own signatures), sweeps through
-    # `verify_serial`; the runtime hands a parallel kernel the very arguments it hands its twin.
+    # `sweep_serial` (which calls `verify_serial`); the runtime hands a parallel kernel the very
+    # arguments it hands its twin.
     for n in _KERNELS:
         assert called[n] in ([], expected[n]), n
-    assert all(called[n] for n in ("forward_head", "forward_tail", "verify_serial")), called
+    assert all(called[n] for n in ("forward_head", "forward_tail", "sweep_serial")), called
 
 
 _STATS = """
@@ -62,7 +63,7 @@ print(json.dumps({n: [sum(getattr(fast, n).stats.cache_hits.values()),
                       sum(getattr(fast, n).stats.cache_misses.values())]
                   for n in ("build_plan", "build_plan_packed", "verify", "write",
                             "verify_serial", "write_serial", "stage_serial", "forward_head",
-                            "forward_tail")}))
+                            "forward_tail", "sweep_serial")}))
 """
 
 _PRECOMPILE_TWO_CORES = "from kvcanary.canary.kernels import precompile; precompile.precompile(2)"

@@ -103,8 +103,9 @@ class FusedForward:
 
     `head(view)` returns None when the general path must run (nothing was written then), else a
     `PackedForward` whose HEAD stage ran in the call (`staged`) or whose stages the runtime
-    launches itself (too large for one thread). `tail(fwd)` runs a staged forward's TAIL. Both
-    leave the stage's ring rows in `scratch` (the runtime absorbs them).
+    launches itself (too large for one thread). `tail(fwd)` runs a staged forward's TAIL,
+    `sweep(walked)` a small sweep. Each leaves its ring rows in `scratch` (the runtime absorbs
+    them).
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class FusedForward:
     ) -> None:
         self._head_kernel = kernels.forward_head
         self._tail_kernel = kernels.forward_tail
+        self._sweep_kernel = kernels.sweep_serial
         self._group = group
         self._lut = group.lut if group.lut is not None else np.zeros(0, dtype=np.int64)
         self._window = _NO_WINDOW if group.window is None else group.window
@@ -130,8 +132,11 @@ class FusedForward:
         self._scratch = scratch
         head_tag, head_words, head_src = launches["head"]
         tail_tag, tail_words, tail_src = launches["tail"]
+        sweep_tag, sweep_words, sweep_src = launches["sweep"]
         self._head = (head_words, *head_src.words, head_src.params, head_src.count, int(head_tag))
         self._tail = (tail_words, *tail_src.words, tail_src.params, tail_src.count, int(tail_tag))
+        self._sweep = (sweep_words, *sweep_src.words, sweep_src.params, sweep_src.count,
+                       int(sweep_tag))  # fmt: skip
         self._no_truth = np.zeros((0, 0), dtype=np.int64)
         self._no_lens = np.zeros(0, dtype=np.int64)
 
@@ -185,3 +190,17 @@ class FusedForward:
             fwd.packed, fwd.nr, fwd.nt, fwd.nw, fwd.nv, fwd.overflow, fwd.shadowed,
             fwd.chain_position, *self._tail, scratch.words, scratch.state,
         )  # fmt: skip
+
+    def sweep(self, walked: I64) -> bool:
+        """Verify a walk (`[n, 3]` int64, from `view_checks.walker_entries`) in the TAIL buffer
+        (rows in the scratch). False: take the general path (nothing was verified): a slot out
+        of the group's range, or a walk too large for one thread."""
+        if len(walked) >= self._serial_limit or not walked.flags.c_contiguous:
+            return False
+        scratch = self._scratch
+        n_slots = self._group.num_slots
+        done = self._sweep_kernel(walked, n_slots, *self._sweep, scratch.words, scratch.state)
+        if -len(walked) <= done < 0:  # the scratch ring needs room for one row per entry
+            scratch.prepare(-done)
+            done = self._sweep_kernel(walked, n_slots, *self._sweep, scratch.words, scratch.state)
+        return bool(done >= 0)

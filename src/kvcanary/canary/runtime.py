@@ -151,14 +151,19 @@ class Canary:
             )
             for stage in ("head", "tail")
         }  # fmt: skip
-        # The fused path (`canary.fused`) where it applies to every forward of this install;
-        # a fault injector, attached later, turns it off per forward.
-        (only_group,) = self.groups[:1]
+        # The fused path (`canary.fused`) where it applies to every forward of this install
+        # (one FULL group with one half, so one launch per stage); a fault injector, attached
+        # later, turns it off per forward.
+        only = self.groups[0]
+        fused_launches = {
+            **{stage: launch[0][1:] for stage, launch in self._launches.items()},
+            "sweep": (self._tags["sweep", "k", only.name], only.words("sweep", "k"),
+                      only.stage_sources("sweep", "k")),
+        }  # fmt: skip
         self._fused = (
             FusedForward(
-                self._kernels, only_group,
-                {stage: launch[0][1:] for stage, launch in self._launches.items()},
-                capacities, serial_limit=SERIAL_LAUNCH_ENTRIES if parallel_launches else 1 << 62,
+                self._kernels, only, fused_launches, capacities,
+                serial_limit=SERIAL_LAUNCH_ENTRIES if parallel_launches else 1 << 62,
                 token_check=config.verify_token_check, scratch=self._pass_rows,
             )
             if hasattr(self._kernels, "forward_head") and len(self._launches["head"]) == 1
@@ -515,7 +520,15 @@ class Canary:
     def _sweep(self) -> None:
         assert self._walker is not None
         walked = walker_entries(self._walker)  # range-checked per group by translate
-        self._sweep_groups(walked)
+        if self._fused is not None and self._fused.sweep(walked):
+            rows = self._pass_rows.take()
+            if len(rows):
+                self.ring.absorb(rows)
+            tag = self._tags["sweep", "k", self.groups[0].name]
+            self.kernel_run_counter[tag] += 1
+            self.slot_run_counter[tag] += len(walked)
+        else:
+            self._sweep_groups(walked)
         self.sweep_passes += 1
         self._last_sweep_step = self.step
         logger.info(

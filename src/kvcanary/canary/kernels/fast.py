@@ -15,8 +15,8 @@ This module is the facade; the kernels live in one module per concept:
 * `fast_write`: `write`, its parallel chain tasks and the ring replay;
 * `fast_stage`: `stage_serial`, a small stage's verify and write in one call;
 * `fast_forward`: `forward_head` / `forward_tail`, a small forward's checks, plan and HEAD in
-  one call and its TAIL in another (the runtime's fused path, `canary.fused`; the reference
-  kernels have no twin: the general path is the fused path's reference).
+  one call and its TAIL in another, and `sweep_serial`, a small sweep (the runtime's fused
+  path, `canary.fused`; the reference kernels have no twin: the general path is its reference).
 
 `verify_serial` and `write_serial` are the two parallel kernels compiled without threads,
 byte-equal to them: the runtime launches them for small stages (a decode step), where waking the
@@ -32,7 +32,7 @@ loop) in a parallel function.
 from __future__ import annotations
 
 from kvcanary.canary.kernels._intrinsics import HEAD_HASH_U64, fold_sources, mix3, splitmix64
-from kvcanary.canary.kernels.fast_forward import forward_head, forward_tail
+from kvcanary.canary.kernels.fast_forward import forward_head, forward_tail, sweep_serial
 from kvcanary.canary.kernels.fast_plan import build_plan, build_plan_packed
 from kvcanary.canary.kernels.fast_stage import stage_serial
 from kvcanary.canary.kernels.fast_verify import verify, verify_serial
@@ -48,6 +48,7 @@ __all__ = [
     "mix3",
     "splitmix64",
     "stage_serial",
+    "sweep_serial",
     "verify",
     "verify_serial",
     "write",

@@ -3,7 +3,7 @@
 `forward_head` does what `Canary.pre_forward` does for the common view (one launch per stage,
 no fault injector, not `recover`), on the calling thread: the snapshot's contract checks
 (SPEC §2.2, §6), the copies, the plan with its range checks (§5.1, §14.2) and the HEAD stage.
-`forward_tail` runs the TAIL stage over the same packed plan. In vLLM the Python around a
+`forward_tail` runs the TAIL stage over the same packed plan, `sweep_serial` a small sweep. In vLLM the Python around a
 forward's six small calls (snapshot, plan, two stages, their scratch passes) cost about three
 times the work, most of it cold-cache interpreter time right after the model's forward.
 
@@ -21,13 +21,19 @@ from numba import njit
 
 from kvcanary.canary.kernels.fast_plan import build_plan
 from kvcanary.canary.kernels.fast_stage import stage_serial
+from kvcanary.canary.kernels.fast_verify import verify_serial
 
-__all__ = ["DONE", "FALLBACK", "GROW_SCRATCH", "PLAN_ONLY", "forward_head", "forward_tail"]
+__all__ = [
+    "DONE", "FALLBACK", "FALLBACK_SWEEP", "GROW_SCRATCH", "PLAN_ONLY", "forward_head",
+    "forward_tail", "sweep_serial",
+]  # fmt: skip
 
 #: `forward_head` statuses: the HEAD stage ran; the plan is built but the stage is too large
 #: for one thread (the runtime launches it); the scratch ring needs `value` rows (call again);
 #: the view is not the common case (the runtime takes the general path).
 DONE, PLAN_ONLY, GROW_SCRATCH, FALLBACK = 0, 1, 2, 3
+#: `sweep_serial`'s answer for a walk with a slot outside the group (the general path raises)
+FALLBACK_SWEEP = -(1 << 62)
 
 
 @njit(cache=True)
@@ -158,3 +164,33 @@ def forward_tail(  # type: ignore[no-untyped-def]
         ids, pos, _no_assert(nr), none, none, chain_position, s0, s1, s2, s3, params, count, tag, ring,
         state,
     )  # fmt: skip
+
+
+@njit(cache=True)
+def sweep_serial(  # type: ignore[no-untyped-def]
+    walked, num_slots, buf, s0, s1, s2, s3, params, count, tag, ring, state
+):  # fmt: skip
+    """A FULL group's sweep of a walk (`[n, 3]` slot, position, prev_slot), range checks and
+    `verify_serial` in one call, rows into `ring`/`state` (reset first). Returns the entries
+    verified, `FALLBACK_SWEEP` when a slot is outside `[0, num_slots)` or a predecessor outside
+    `[-1, num_slots)` (nothing verified: the general path raises the SPEC's error), or
+    `-(rows needed)` when the scratch ring is too small."""
+    n = walked.shape[0]
+    slots = np.empty(n, dtype=np.int64)
+    prevs = np.empty(n, dtype=np.int64)
+    positions = np.empty(n, dtype=np.int64)
+    tokens = np.full(n, -1, dtype=np.int64)
+    for i in range(n):
+        s = walked[i, 0]
+        p = walked[i, 2]
+        if s < 0 or s >= num_slots or p < -1 or p >= num_slots:
+            return FALLBACK_SWEEP
+        slots[i] = s
+        positions[i] = walked[i, 1]
+        prevs[i] = p
+    if n > ring.shape[0]:
+        return -n
+    state[0] = 0
+    verify_serial(buf, slots, prevs, positions, tokens, s0, s1, s2, s3, params, count, tag, ring,
+                  state)  # fmt: skip
+    return n
