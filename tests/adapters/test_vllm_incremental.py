@@ -151,3 +151,46 @@ def test_compiled_mirror_refresh_gathers_exactly_the_listed_blocks(
     np.testing.assert_array_equal(mirror.rows.numpy(), want)
     mirror.refresh()
     np.testing.assert_array_equal(mirror.rows.numpy(), flat[:, gather])
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from([1, 2, 16]))
+@settings(max_examples=60, deadline=None)
+def test_one_call_forward_equals_build_forward_view(seed: int, b: int) -> None:
+    """`StepPrep.forward` (the worker's one compiled call) == the batch shape in NumPy, `run`
+    and `build_forward_view`, over steps with growth, garbage slots (below -1) and flat arrays
+    shorter than the scheduled count (a bad runner: the canary reports the mismatch)."""
+    rng = np.random.default_rng(seed)
+    bt = np.zeros((ROWS, MAX_BLOCKS), dtype=np.int32)
+    nblk = np.zeros(ROWS, dtype=np.int64)
+    fast, slow = StepPrep(bt, b, NUM_BLOCKS), StepPrep(bt, b, NUM_BLOCKS)
+    for _ in range(30):
+        _step(rng, bt, nblk)
+        n = int(rng.integers(1, ROWS + 1))
+        computed = rng.integers(0, (MAX_BLOCKS + 2) * b, ROWS).astype(np.int32)
+        prompt = rng.integers(0, (MAX_BLOCKS + 2) * b, ROWS).astype(np.int32)
+        scheduled = rng.integers(0, b + 1, n)
+        qsl = np.concatenate([[0], np.cumsum(scheduled), np.zeros(ROWS - n, dtype=np.int64)])
+        qsl = qsl.astype(np.int32)
+        total = int(qsl[n])
+        short = int(rng.integers(0, 2)) * min(total, 1)  # ids one short, now and then
+        ids = rng.integers(0, 1000, total - short).astype(np.int32)
+        pos = rng.integers(0, 1000, total).astype(np.int64)
+        slots = rng.integers(-4, NUM_BLOCKS * b + 3, total).astype(np.int64)
+        got = fast.forward(bt, n, qsl, computed, prompt, ids, pos, slots)
+        sched = np.diff(qsl[: n + 1]).astype(np.int64)
+        end = computed[:n].astype(np.int64) + sched
+        r2t = slow.run(bt, n, computed[:n], sched, slots)
+        want = build_forward_view(
+            block_table=bt, block_size=b, num_computed=computed[:n], num_scheduled=sched,
+            input_ids=ids, positions=pos, slot_mapping=slots, req_to_token=r2t,
+        )  # fmt: skip
+        for name in ("rows", "prefix_lens", "extend_lens", "input_ids", "positions",
+                     "out_slots"):  # fmt: skip
+            a, w = getattr(got, name), getattr(want, name)
+            assert a.dtype == np.int64, name
+            np.testing.assert_array_equal(a, w, err_msg=name)
+        np.testing.assert_array_equal(got.req_to_token, r2t)
+        assert got.chunked == int((end < prompt[:n]).sum())
+        np.testing.assert_array_equal(fast.tail_blocks, slow.tail_blocks)
+        assert (fast.cross, fast.min_slot) == (slow.cross, slow.min_slot)
+        assert (fast._owner == -1).all() and not fast._listed.any()

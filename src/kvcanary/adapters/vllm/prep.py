@@ -1,6 +1,6 @@
-"""The worker's per-step preparation in one compiled pass (numba): sync the persistent
-`req_to_token` with the block table, decide whether the forward needs canary waves, and list the
-cache blocks the TAIL stage reads.
+"""The worker's per-step preparation in one compiled pass (numba): the view's int64 arrays from
+the runner's buffers, the persistent `req_to_token` synced with the block table, whether the
+forward needs canary waves, and the cache blocks the TAIL stage reads.
 
 One call replaces some fifty small NumPy calls per step (each a few microseconds on a busy
 CPU): the work is proportional to the block-table entries and the scheduled tokens, with one
@@ -11,13 +11,13 @@ checks, which report it).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 from numba import njit
 
-__all__ = ["StepPrep", "batch_shape"]
+__all__ = ["ForwardArrays", "StepPrep"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -92,26 +92,61 @@ def _prep(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _batch_shape(qsl, computed, prompt, num_reqs, scheduled):  # type: ignore[no-untyped-def]
+def _shape_into(qsl, computed, prompt, num_reqs, ids, pos, slots, out):  # type: ignore[no-untyped-def]
+    """`out[:]` = rows | prefix lens | extend lens | ids | positions | slots (below -1 as -1),
+    all int64; returns `(need, chunked)`: the longest row's end (computed + scheduled), and the rows
+    still inside their prompt after this forward."""
+    n = num_reqs
     need = np.int64(0)
     chunked = 0
-    for r in range(num_reqs):
-        n = np.int64(qsl[r + 1]) - np.int64(qsl[r])
-        scheduled[r] = n
-        end = np.int64(computed[r]) + n
-        need = max(need, end)
-        chunked += end < np.int64(prompt[r])
+    for r in range(n):
+        c = np.int64(computed[r])
+        e = np.int64(qsl[r + 1]) - np.int64(qsl[r])
+        out[r] = r + 1
+        out[n + r] = c
+        out[2 * n + r] = e
+        need = max(need, c + e)
+        chunked += c + e < np.int64(prompt[r])
+    k = 3 * n
+    for i in range(ids.shape[0]):
+        out[k + i] = ids[i]
+    k += ids.shape[0]
+    for i in range(pos.shape[0]):
+        out[k + i] = pos[i]
+    k += pos.shape[0]
+    for i in range(slots.shape[0]):
+        out[k + i] = max(np.int64(slots[i]), np.int64(-1))
     return need, chunked
 
 
-def batch_shape(query_start_loc: npt.NDArray[np.integer[Any]],
-                num_computed: npt.NDArray[np.integer[Any]],
-                num_prompt: npt.NDArray[np.integer[Any]], num_reqs: int) -> tuple[I64, int, int]:  # fmt: skip
-    """One compiled pass over the batch rows: `(scheduled tokens per row as int64, the longest
-    row's end (computed + scheduled), rows still inside their prompt after this forward)`."""
-    scheduled = np.empty(num_reqs, dtype=np.int64)
-    need, chunked = _batch_shape(query_start_loc, num_computed, num_prompt, num_reqs, scheduled)
-    return scheduled, int(need), int(chunked)
+@njit(cache=True)
+def _forward(  # type: ignore[no-untyped-def]
+    bt, qsl, computed, prompt, num_reqs, ids, pos, slots, b, out, table, seen, owner, listed, tail
+):  # fmt: skip
+    """`_shape_into`, then `_prep` when the table is wide enough. Returns `(chunked, nblocks,
+    tail entries, cross, min slot)`; tail entries -1: grow the table to `nblocks`, then `_prep`."""
+    need, chunked = _shape_into(qsl, computed, prompt, num_reqs, ids, pos, slots, out)
+    nblocks = max(np.int64(1), min(-(-need // b), np.int64(bt.shape[1])))
+    if nblocks > seen.shape[1]:
+        return chunked, nblocks, -1, False, np.int64(0)
+    n = num_reqs
+    k, cross, low = _prep(bt, n, nblocks, out[n : 2 * n], out[2 * n : 3 * n], slots, b, table,
+                          seen, owner, listed, tail)  # fmt: skip
+    return chunked, nblocks, k, cross, low
+
+
+class ForwardArrays(NamedTuple):
+    """One forward's view arrays (int64; what `view.build_forward_view` makes from the same
+    inputs) and the rows still inside their prompt after it."""
+
+    rows: I64
+    prefix_lens: I64
+    extend_lens: I64
+    input_ids: I64
+    positions: I64
+    out_slots: I64
+    req_to_token: I64
+    chunked: int
 
 
 class StepPrep:
@@ -160,3 +195,38 @@ class StepPrep:
                               tail)  # fmt: skip
         self.tail_blocks, self.cross, self.min_slot = tail[:k], bool(cross), int(low)
         return self.table[: num_reqs + 1]
+
+    def forward(self, block_table: npt.NDArray[np.integer[Any]], num_reqs: int,
+                query_start_loc: npt.NDArray[np.integer[Any]],
+                num_computed: npt.NDArray[np.integer[Any]],
+                num_prompt: npt.NDArray[np.integer[Any]], input_ids: npt.NDArray[np.integer[Any]],
+                positions: npt.NDArray[np.integer[Any]],
+                slots: npt.NDArray[np.integer[Any]]) -> ForwardArrays:  # fmt: skip
+        """The batch's shape, `run` and `view.build_forward_view`'s arrays in one compiled call:
+        rows `1..num_reqs`, their computed and scheduled token counts, the flat arrays as
+        int64 (slots below -1 as -1) and `req_to_token`; `tail_blocks`, `cross` and `min_slot`
+        as `run` leaves them. The flat arrays keep their own lengths (the canary checks them)."""
+        if num_reqs > self._seen.shape[0]:
+            raise ValueError(f"kv-canary: {num_reqs} rows exceed the block table's "
+                             f"{self._seen.shape[0]}")  # fmt: skip
+        if min(len(query_start_loc) - 1, len(num_computed), len(num_prompt)) < num_reqs:
+            raise ValueError(f"kv-canary: the runner's batch arrays are shorter than its "
+                             f"{num_reqs} rows")  # fmt: skip
+        n, ni, npos = num_reqs, len(input_ids), len(positions)
+        out = np.empty(3 * n + ni + npos + len(slots), dtype=np.int64)
+        tail = np.empty(n * block_table.shape[1] + len(slots), dtype=np.int64)
+        chunked, nblocks, k, cross, low = _forward(
+            block_table, query_start_loc, num_computed, num_prompt, n, input_ids, positions,
+            slots, self.block_size, out, self.table, self._seen, self._owner, self._listed, tail,
+        )  # fmt: skip
+        if k < 0:  # wider than the table so far: grow it, then the same pass over the rows
+            self._grow(min(block_table.shape[1], max(nblocks, 2 * self._seen.shape[1])))
+            k, cross, low = _prep(block_table, n, nblocks, out[n : 2 * n], out[2 * n : 3 * n],
+                                  slots, self.block_size, self.table, self._seen, self._owner,
+                                  self._listed, tail)  # fmt: skip
+        self.tail_blocks, self.cross, self.min_slot = tail[:k], bool(cross), int(low)
+        f = 3 * n + ni
+        return ForwardArrays(
+            out[:n], out[n : 2 * n], out[2 * n : 3 * n], out[3 * n : f], out[f : f + npos],
+            out[f + npos :], self.table[: n + 1], int(chunked),
+        )  # fmt: skip

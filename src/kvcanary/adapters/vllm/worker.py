@@ -29,10 +29,10 @@ from kvcanary.adapters.vllm.layout import (
     build_sources,
 )
 from kvcanary.adapters.vllm.layout import calibrate as calibrate_layout
-from kvcanary.adapters.vllm.prep import StepPrep, batch_shape
+from kvcanary.adapters.vllm.prep import StepPrep
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
-from kvcanary.adapters.vllm.view import build_forward_view, split_waves
+from kvcanary.adapters.vllm.view import split_waves
 from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, TruthTable, Violation
 
 if TYPE_CHECKING:
@@ -301,9 +301,6 @@ class CanaryWorker:
         total = int(qsl[num_reqs])
         if total == 0:
             return None
-        computed = ib.num_computed_tokens_cpu[:num_reqs]
-        num_scheduled, need, chunked = batch_shape(qsl, computed, ib.num_prompt_tokens, num_reqs)
-        self.chunked_prefill_rows += chunked
         bt = ib.block_table[0]
         mapping = None
         if isinstance(slot_mapping, dict) and slot_mapping:
@@ -319,15 +316,20 @@ class CanaryWorker:
         if self._prep is None:
             self._prep = StepPrep(table, self.block_size, self.num_blocks)
         host = self._host
-        slots = host.prefix(mapping, total)
-        r2t = self._prep.run(table, num_reqs, computed, num_scheduled, slots, need)
+        # one compiled call: batch shape, the view's int64 arrays, req_to_token, the wave test
+        # (what `view.build_forward_view` builds, tests/adapters/test_vllm_incremental.py)
+        a = self._prep.forward(
+            table, num_reqs, qsl, ib.num_computed_tokens_cpu, ib.num_prompt_tokens,
+            host.prefix(runner.input_ids.cpu, total), host.prefix(runner.positions, total),
+            host.prefix(mapping, total),
+        )  # fmt: skip
+        self.chunked_prefill_rows += a.chunked
         mirrored = self.sources is not None and self.sources.mirror is not None
         self._tail_blocks = self._prep.tail_blocks if mirrored else None
-        return build_forward_view(
-            block_table=table, block_size=self.block_size, num_computed=computed,
-            num_scheduled=num_scheduled, input_ids=host.prefix(runner.input_ids.cpu, total),
-            positions=host.prefix(runner.positions, total), slot_mapping=slots,
-            truth_tokens=truth, req_to_token=r2t, total=total, min_slot=self._prep.min_slot,
+        return ForwardView(
+            rows=a.rows, prefix_lens=a.prefix_lens, extend_lens=a.extend_lens,
+            input_ids=a.input_ids, positions=a.positions, out_slots=a.out_slots,
+            req_to_token=a.req_to_token, truth_tokens=truth, mutable=False,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ figures
