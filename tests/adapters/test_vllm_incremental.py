@@ -190,7 +190,8 @@ def test_one_call_forward_equals_build_forward_view(seed: int, b: int) -> None:
             assert a.dtype == np.int64, name
             np.testing.assert_array_equal(a, w, err_msg=name)
         np.testing.assert_array_equal(got.req_to_token, r2t)
-        assert got.chunked == int((end < prompt[:n]).sum())
+        assert fast.chunked == int((end < prompt[:n]).sum())
+        assert got.truth_tokens is None and not got.mutable
         np.testing.assert_array_equal(fast.tail_blocks, slow.tail_blocks)
         assert (fast.cross, fast.min_slot) == (slow.cross, slow.min_slot)
         assert (fast._owner == -1).all() and not fast._listed.any()

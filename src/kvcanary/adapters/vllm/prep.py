@@ -11,13 +11,15 @@ checks, which report it).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from numba import njit
 
-__all__ = ["ForwardArrays", "StepPrep"]
+from kvcanary.contract import ForwardView, TruthTable
+
+__all__ = ["StepPrep"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -135,20 +137,6 @@ def _forward(  # type: ignore[no-untyped-def]
     return chunked, nblocks, k, cross, low
 
 
-class ForwardArrays(NamedTuple):
-    """One forward's view arrays (int64; what `view.build_forward_view` makes from the same
-    inputs) and the rows still inside their prompt after it."""
-
-    rows: I64
-    prefix_lens: I64
-    extend_lens: I64
-    input_ids: I64
-    positions: I64
-    out_slots: I64
-    req_to_token: I64
-    chunked: int
-
-
 class StepPrep:
     """Per-worker state of the compiled pass: the persistent `req_to_token` (row `r + 1` is
     persistent-batch row `r`, as `view.paged_req_to_token` builds it), the block ids it expands,
@@ -164,6 +152,7 @@ class StepPrep:
         self.tail_blocks: I64 = np.zeros(0, dtype=np.int64)
         self.cross = False
         self.min_slot = 0
+        self.chunked = 0  # after `forward`: rows still inside their prompt
 
     def _grow(self, cols: int) -> None:
         """Room for `cols` blocks per row (the table starts small and doubles: its memory follows
@@ -201,11 +190,13 @@ class StepPrep:
                 num_computed: npt.NDArray[np.integer[Any]],
                 num_prompt: npt.NDArray[np.integer[Any]], input_ids: npt.NDArray[np.integer[Any]],
                 positions: npt.NDArray[np.integer[Any]],
-                slots: npt.NDArray[np.integer[Any]]) -> ForwardArrays:  # fmt: skip
-        """The batch's shape, `run` and `view.build_forward_view`'s arrays in one compiled call:
-        rows `1..num_reqs`, their computed and scheduled token counts, the flat arrays as
-        int64 (slots below -1 as -1) and `req_to_token`; `tail_blocks`, `cross` and `min_slot`
-        as `run` leaves them. The flat arrays keep their own lengths (the canary checks them)."""
+                slots: npt.NDArray[np.integer[Any]],
+                truth_tokens: TruthTable | None = None) -> ForwardView:  # fmt: skip
+        """The view `view.build_forward_view` makes from the same inputs, with the batch's shape
+        and `run` in one compiled call: rows `1..num_reqs`, their computed and scheduled token
+        counts, the flat arrays as int64 (slots below -1 as -1; each keeps its own length, the
+        canary checks them) and `req_to_token`. `tail_blocks`, `cross` and `min_slot` as `run`
+        leaves them; `chunked`: the rows still inside their prompt after this forward."""
         if num_reqs > self._seen.shape[0]:
             raise ValueError(f"kv-canary: {num_reqs} rows exceed the block table's "
                              f"{self._seen.shape[0]}")  # fmt: skip
@@ -225,8 +216,10 @@ class StepPrep:
                                   slots, self.block_size, self.table, self._seen, self._owner,
                                   self._listed, tail)  # fmt: skip
         self.tail_blocks, self.cross, self.min_slot = tail[:k], bool(cross), int(low)
+        self.chunked = int(chunked)
         f = 3 * n + ni
-        return ForwardArrays(
-            out[:n], out[n : 2 * n], out[2 * n : 3 * n], out[3 * n : f], out[f : f + npos],
-            out[f + npos :], self.table[: n + 1], int(chunked),
+        return ForwardView(
+            rows=out[:n], prefix_lens=out[n : 2 * n], extend_lens=out[2 * n : 3 * n],
+            input_ids=out[3 * n : f], positions=out[f : f + npos], out_slots=out[f + npos :],
+            req_to_token=self.table[: n + 1], truth_tokens=truth_tokens, mutable=False,
         )  # fmt: skip

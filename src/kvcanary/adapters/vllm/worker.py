@@ -318,19 +318,15 @@ class CanaryWorker:
         host = self._host
         # one compiled call: batch shape, the view's int64 arrays, req_to_token, the wave test
         # (what `view.build_forward_view` builds, tests/adapters/test_vllm_incremental.py)
-        a = self._prep.forward(
+        view = self._prep.forward(
             table, num_reqs, qsl, ib.num_computed_tokens_cpu, ib.num_prompt_tokens,
             host.prefix(runner.input_ids.cpu, total), host.prefix(runner.positions, total),
-            host.prefix(mapping, total),
+            host.prefix(mapping, total), truth,
         )  # fmt: skip
-        self.chunked_prefill_rows += a.chunked
+        self.chunked_prefill_rows += self._prep.chunked
         mirrored = self.sources is not None and self.sources.mirror is not None
         self._tail_blocks = self._prep.tail_blocks if mirrored else None
-        return ForwardView(
-            rows=a.rows, prefix_lens=a.prefix_lens, extend_lens=a.extend_lens,
-            input_ids=a.input_ids, positions=a.positions, out_slots=a.out_slots,
-            req_to_token=a.req_to_token, truth_tokens=truth, mutable=False,
-        )  # fmt: skip
+        return view
 
     # ------------------------------------------------------------------ figures
     def _collect(self) -> None:

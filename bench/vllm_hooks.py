@@ -1,0 +1,116 @@
+"""Where the canary's time goes inside vLLM: each adapter hook and canary call timed per step.
+
+One in-process vLLM engine (the test suite's tiny Llama, block size 32, prefix caching on, the
+canary in `log` + real-data `partial` + sweep every 4 steps + token checks) runs a seeded
+workload after a warm-up run; every hook below is wrapped with a timer for the run. The
+wrappers add about a microsecond per call, so the figures are a little high; nested calls are
+each counted in their own line (`start_load_kv` holds `before_forward`, which holds `_view`
+and `Canary.pre_forward`). The scheduler-side hooks (`build_connector_meta`, the pool snapshot)
+are not in the canary's own time that `bench/vllm_overhead.py` reports.
+
+    python bench/vllm_hooks.py [--kind decode|prefill] [--dtype bfloat16|float32] [--runs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", default="decode", choices=["decode", "prefill"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--runs", type=int, default=4)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
+    os.environ.setdefault("KVCANARY_STATS_PRINT_EVERY_N_STEPS", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+    from kvcanary.adapters.vllm import connector, prep, sweep, worker
+    from kvcanary.adapters.vllm.layout import KvMirror
+    from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
+    from kvcanary.app.vllm.model import TinyLlamaSpec, ensure_tiny_llama
+    from kvcanary.app.vllm.workload import VllmRequest
+    from kvcanary.canary.runtime import Canary
+
+    spent: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+
+    def wrap(owner: Any, name: str, label: str) -> None:
+        fn: Callable[..., Any] = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - t
+                calls[label] += 1
+
+        setattr(owner, name, timed)
+
+    hooks = [
+        (connector.KVCanaryConnector, "start_load_kv"), (connector.KVCanaryConnector, "wait_for_save"),
+        (connector.KVCanaryConnector, "build_connector_meta"),
+        (connector.KVCanaryConnector, "get_kv_connector_stats"),
+        (connector.KVCanaryConnector, "build_connector_worker_meta"),
+        (worker.CanaryWorker, "before_forward"), (worker.CanaryWorker, "after_forward"),
+        (worker.CanaryWorker, "_view"), (worker.CanaryWorker, "_collect"),
+        (prep.StepPrep, "forward"), (KvMirror, "refresh"),
+        (Canary, "pre_forward"), (Canary, "post_forward"), (Canary, "end_step"),
+        (Canary, "_sweep"),
+    ]  # fmt: skip
+    for owner, name in hooks:
+        wrap(owner, name, f"{owner.__name__}.{name}")
+    wrap(connector, "snapshot_pool", "snapshot_pool (scheduler)")
+    wrap(sweep.ParentLedger, "note_cached", "ParentLedger.note_cached (scheduler)")
+
+    spec = TinyLlamaSpec(hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
+    settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=16,
+                            max_num_batched_tokens=512, max_model_len=512,
+                            dtype=args.dtype)  # fmt: skip
+    engine = VllmEngine(settings, env)
+
+    def workload(seed: int) -> list[VllmRequest]:
+        rng = random.Random(f"{args.kind}:{seed}")
+        n, plen, out = (8, 32, 96) if args.kind == "decode" else (48, 256, 1)
+        return [VllmRequest(tuple(rng.randrange(1, 512) for _ in range(plen)), out)
+                for _ in range(n)]  # fmt: skip
+
+    engine.reset_prefix_cache()
+    engine.run(workload(999), seed=999)  # warm-up: numba kernels, vLLM's first-call paths
+    spent.clear()
+    calls.clear()
+    steps, wall, canary = 0, 0.0, 0.0
+    for seed in range(args.runs):
+        engine.reset_prefix_cache()
+        run = engine.run(workload(seed), seed=seed)
+        steps += run.figures["forward_steps"]
+        wall += run.figures["wall_seconds"]
+        canary += run.figures["canary_seconds"]
+    steps = max(1, steps)
+    print(f"{args.kind}, {args.dtype}: {steps} steps, wall {1e6 * wall / steps:.0f} us/step, "
+          f"canary's own time {1e6 * canary / steps:.1f} us/step "
+          f"({100 * canary / max(wall, 1e-12):.1f} %)")  # fmt: skip
+    print(f"{'hook':42s} {'us/step':>9s} {'calls/step':>11s} {'us/call':>9s}")
+    for label, secs in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"{label:42s} {1e6 * secs / steps:9.1f} {calls[label] / steps:11.2f} "
+              f"{1e6 * secs / calls[label]:9.1f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
