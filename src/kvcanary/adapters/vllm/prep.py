@@ -28,7 +28,7 @@ I64 = npt.NDArray[np.int64]
 def _prep(  # type: ignore[no-untyped-def]
     bt, num_reqs, nblocks, computed, scheduled, slots, b, table, seen, owner, listed, tail
 ):  # fmt: skip
-    """Returns `(tail entries, cross, min slot)`; see `StepPrep.run`."""
+    """Returns `(tail entries, cross, min slot)`; see `StepPrep.forward`."""
     n_cache = owner.shape[0]
     width = min(bt.shape[1], seen.shape[1])
     for r in range(num_reqs):  # 1. req_to_token rows r + 1: only the block ids that changed
@@ -160,31 +160,6 @@ class StepPrep:
         self.table = np.zeros((self._rows + 1, cols * self.block_size), dtype=np.int64)
         self._seen = np.zeros((self._rows, cols), dtype=np.int64)
 
-    def run(self, block_table: npt.NDArray[np.integer[Any]], num_reqs: int,
-            computed: npt.NDArray[np.integer[Any]], scheduled: I64, slots: I64,
-            need: int | None = None) -> I64:  # fmt: skip
-        """Sync rows `1..num_reqs` of `table` over the blocks this forward reaches and return
-        `table[: num_reqs + 1]`. Afterwards `tail_blocks` lists the cache blocks TAIL reads
-        (each row's `[0, computed)` and the written slots' blocks; each block once), `cross` is
-        False only when no row's prefix block is written by another row in this forward (then
-        the forward is one canary wave), and `min_slot` is the smallest slot (0 if none below).
-        `need` is the longest row's `computed + scheduled` when the caller knows it."""
-        b = self.block_size
-        if need is None:
-            need = int((computed[:num_reqs] + scheduled[:num_reqs]).max()) if num_reqs else 0
-        nblocks = max(1, min(-(-need // b), block_table.shape[1]))
-        if nblocks > self._seen.shape[1]:
-            self._grow(min(block_table.shape[1], max(nblocks, 2 * self._seen.shape[1])))
-        if num_reqs > self._seen.shape[0]:
-            raise ValueError(f"kv-canary: {num_reqs} rows exceed the block table's "
-                             f"{self._seen.shape[0]}")  # fmt: skip
-        tail = np.empty(num_reqs * block_table.shape[1] + len(slots), dtype=np.int64)
-        k, cross, low = _prep(block_table, num_reqs, nblocks, computed, scheduled, slots, b,
-                              self.table, self._seen, self._owner, self._listed,
-                              tail)  # fmt: skip
-        self.tail_blocks, self.cross, self.min_slot = tail[:k], bool(cross), int(low)
-        return self.table[: num_reqs + 1]
-
     def forward(self, block_table: npt.NDArray[np.integer[Any]], num_reqs: int,
                 query_start_loc: npt.NDArray[np.integer[Any]],
                 num_computed: npt.NDArray[np.integer[Any]],
@@ -195,8 +170,12 @@ class StepPrep:
         """The view `view.build_forward_view` makes from the same inputs, with the batch's shape
         and `run` in one compiled call: rows `1..num_reqs`, their computed and scheduled token
         counts, the flat arrays as int64 (slots below -1 as -1; each keeps its own length, the
-        canary checks them) and `req_to_token`. `tail_blocks`, `cross` and `min_slot` as `run`
-        leaves them; `chunked`: the rows still inside their prompt after this forward."""
+        canary checks them) and `req_to_token` (rows `1..num_reqs` synced over the blocks this
+        forward reaches). Afterwards `tail_blocks` lists the cache blocks TAIL reads (each row's
+        `[0, computed)` and the written slots' blocks; each block once), `cross` is False only
+        when no row's prefix block is written by another row in this forward (then the forward
+        is one canary wave), `min_slot` is the smallest slot (0 if none below) and `chunked`
+        counts the rows still inside their prompt after this forward."""
         if num_reqs > self._seen.shape[0]:
             raise ValueError(f"kv-canary: {num_reqs} rows exceed the block table's "
                              f"{self._seen.shape[0]}")  # fmt: skip
