@@ -37,7 +37,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     from kvcanary.adapters.vllm import connector, prep, sweep, worker
-    from kvcanary.adapters.vllm.layout import KvMirror
+    from kvcanary.adapters.vllm.mirror import KvMirror
     from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
     from kvcanary.app.vllm.model import TinyLlamaSpec, ensure_tiny_llama
     from kvcanary.app.vllm.workload import VllmRequest

@@ -7,11 +7,9 @@ snapshot walker's array equals its tuples (no vLLM needed)."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcanary.adapters.vllm.layout import KvMirror
 from kvcanary.adapters.vllm.prep import StepPrep
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
 from kvcanary.adapters.vllm.view import build_forward_view, paged_req_to_token, split_waves
@@ -136,32 +134,6 @@ def test_walker_array_equals_its_tuples_and_feeds_the_canary() -> None:
     assert [tuple(e) for e in arr.tolist()] == tuples
     assert tuples[4] == (20, 4, 15) and tuples[8] == (8, 16, 0)
     assert walker.walks == 2
-
-
-@given(st.integers(0, 2**32 - 1), st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]),
-       st.booleans())  # fmt: skip
-@settings(max_examples=60, deadline=None)
-def test_compiled_mirror_refresh_gathers_exactly_the_listed_blocks(
-    seed: int, dtype: torch.dtype, aligned: bool
-) -> None:
-    rng = np.random.default_rng(seed)
-    cache = torch.from_numpy(rng.integers(0, 256, (7, 2, 4, 8), dtype=np.uint8)).view(dtype)
-    flat = cache.view(torch.uint8).reshape(7, -1).numpy()
-    es = cache.element_size()
-    if aligned:  # whole elements, as the layout probe finds them
-        elems = rng.choice(flat.shape[1] // es, 6, replace=False)
-        gather = (elems[:, None] * es + np.arange(es)).ravel()
-    else:
-        gather = rng.choice(flat.shape[1], 10, replace=False)
-    mirror = KvMirror(cache, gather)
-    blocks = rng.integers(-2, 10, 5)  # ids outside the cache are skipped
-    mirror.refresh(blocks)
-    want = np.zeros((7, len(gather)), dtype=np.uint8)
-    inside = blocks[(blocks >= 0) & (blocks < 7)]
-    want[inside] = flat[inside][:, gather]
-    np.testing.assert_array_equal(mirror.rows.numpy(), want)
-    mirror.refresh()
-    np.testing.assert_array_equal(mirror.rows.numpy(), flat[:, gather])
 
 
 @given(st.integers(0, 2**32 - 1), st.sampled_from([1, 2, 16]))

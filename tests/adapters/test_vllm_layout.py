@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvcanary.adapters.vllm.layout import KvMirror, LayoutError, build_sources, calibrate
+from kvcanary.adapters.vllm.layout import LayoutError, build_sources, calibrate
+from kvcanary.adapters.vllm.mirror import KvMirror
 from kvcanary.adapters.vllm.view import build_forward_view
 from kvcanary.canary import CanaryConfig, CanaryLaunchCapacities, install
 from kvcanary.contract import BufferGroupSpec, GroupKind, fail_reason_labels

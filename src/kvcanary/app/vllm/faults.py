@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcanary.adapters.vllm.layout import KvMirror
+from kvcanary.adapters.vllm.mirror import KvMirror
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.adapters.vllm.sweep import SnapshotWalker
 from kvcanary.app.selftest.correlate import Fault

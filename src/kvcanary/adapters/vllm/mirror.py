@@ -1,0 +1,122 @@
+"""`KvMirror`: a token-major copy of the KV bytes the canary folds, for layouts that are not.
+
+vLLM's CPU attention stores some heads transposed or VNNI-packed (`layout.calibrate` maps
+where every token element lands). The canary folds a token's first bytes as one contiguous run,
+so for those heads the adapter keeps a mirror: row `b` holds, column by column, bytes
+`gather[c]` of cache block `b`, re-gathered right before every check that reads it.
+
+Measured and not kept: moving the AMX layout's K in 4-byte VNNI pairs (a quarter fewer loads)
+made a re-gather of 88 blocks 32 -> 25 us in a loop but nothing inside vLLM, where a decode
+step's re-gather (about 1 us a block) waits on memory the forward has just evicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from numba import njit
+
+__all__ = ["KvMirror"]
+
+
+@njit(cache=True)
+def _gather_rows(dst, src, stride, gather, blocks):  # type: ignore[no-untyped-def]
+    """`dst[b, g] = src[b * stride + gather[g]]` for each listed block `b` inside `dst`."""
+    n = dst.shape[0]
+    for i in range(blocks.shape[0]):
+        b = blocks[i]
+        if b < 0 or b >= n:
+            continue
+        base = b * stride
+        row = dst[b]
+        for g in range(gather.shape[0]):
+            row[g] = src[base + gather[g]]
+
+
+def _element_gather(
+    gather: npt.NDArray[np.int64], stride: int, es: int
+) -> npt.NDArray[np.int64] | None:
+    """`gather` (byte offsets) as element offsets when it takes whole, aligned `es`-byte
+    elements in order (the folded bytes of a head are whole elements), else None."""
+    if es <= 1 or len(gather) % es or stride % es:
+        return None
+    g = gather.reshape(-1, es)
+    if (g[:, 0] % es).any() or (g != g[:, :1] + np.arange(es)).any():
+        return None
+    return g[:, 0] // es
+
+
+class KvMirror:
+    """A token-major copy of the folded bytes of several non-token-major sources.
+
+    Column `c` of mirror row `b` is byte `gather[c]` of cache block `b`. `refresh(blocks)`
+    re-gathers those rows from the live cache; the adapter calls it right before each canary
+    stage that reads them, so a mirror row is the cache's bytes at check time.
+    """
+
+    def __init__(self, cache: torch.Tensor, gather: npt.NDArray[np.int64]) -> None:
+        n = cache.shape[0]
+        self._bytes = cache.view(torch.uint8).view(n, -1).numpy()  # shares the cache's memory
+        self._gather = gather.astype(np.int64)
+        self._flat = self._bytes.reshape(-1) if self._bytes.flags.c_contiguous else None
+        self._stride = self._bytes.shape[1]
+        self.rows = torch.zeros((n, len(gather)), dtype=torch.uint8)
+        self._rows = self.rows.numpy()
+        # the compiled gather moves whole elements where it can (2 or 4 bytes a load)
+        self._kernel: tuple[npt.NDArray[Any], npt.NDArray[Any], int, npt.NDArray[np.int64]] | None
+        self._kernel = None
+        if self._flat is not None:
+            es = cache.element_size()
+            elems = _element_gather(self._gather, self._stride, es)
+            utype = {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(es)
+            if elems is not None and utype is not None:
+                self._kernel = (self._rows.view(utype), self._flat.view(utype),
+                                self._stride // es, elems)  # fmt: skip
+            else:
+                self._kernel = (self._rows, self._flat, self._stride, self._gather)
+
+    def refresh(self, blocks: npt.NDArray[np.integer] | None = None) -> None:
+        """Re-gather `blocks` (all blocks when None; repeats are fine; ids outside the cache are
+        skipped: they come from a bad table or slot, which the canary's range checks report).
+        NumPy fancy indexing over one flat view (torch's 2-D advanced indexing is about 100x
+        slower here)."""
+        n = len(self._rows)
+        if self._kernel is not None:
+            idx = np.arange(n) if blocks is None else np.asarray(blocks, dtype=np.int64)
+            dst, src, stride, gather = self._kernel
+            _gather_rows(dst, src, stride, gather, idx)  # skips ids outside the cache
+            return
+        if blocks is None:
+            idx = np.arange(n)
+        else:
+            idx = np.asarray(blocks, dtype=np.int64)
+            if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                idx = idx[(idx >= 0) & (idx < n)]
+        if self._flat is not None:
+            self._rows[idx] = self._flat[idx[:, None] * self._stride + self._gather[None, :]]
+        else:
+            self._rows[idx] = np.take(self._bytes[idx], self._gather, axis=1)
+
+    @contextlib.contextmanager
+    def flips_written_back(self, blocks: npt.NDArray[np.integer]) -> Iterator[None]:
+        """Re-gather `blocks`, run the body (a fault injector), then store into the cache every
+        byte of those mirror rows that the body changed.
+
+        Fault injection only: an injector that flips a byte of a mirrored source flips this copy,
+        which the next `refresh` would overwrite unseen; written back, the flip is in the cache,
+        where the forward reads it and TAIL finds it. Bytes the body changed in the cache itself
+        are left alone (only mirror bytes that differ from their re-gather are stored)."""
+        n = len(self._rows)
+        idx = np.asarray(blocks, dtype=np.int64)
+        idx = np.unique(idx[(idx >= 0) & (idx < n)])
+        self.refresh(idx)
+        before = self._rows[idx]  # a copy (fancy indexing)
+        yield
+        rows, cols = np.nonzero(self._rows[idx] != before)
+        if len(rows):
+            self._bytes[idx[rows], self._gather[cols]] = self._rows[idx[rows], cols]
