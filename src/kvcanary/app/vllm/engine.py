@@ -229,7 +229,7 @@ class VllmEngine:
                 counters["split_forwards"] - counters0["split_forwards"]
             )
             figures["canary_seconds"] = round(counters["canary_seconds"]
-                                              - counters0["canary_seconds"], 3)  # fmt: skip
+                                              - counters0["canary_seconds"], 6)  # fmt: skip
             # each tensor-parallel rank checks its own KV shard; "violations" is their union
             figures["violations_per_rank"] = [b - a for a, b in zip(ranks0, ranks, strict=True)]
         outputs = tuple(tuple(o.outputs[0].token_ids) for o in outs)

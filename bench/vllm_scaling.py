@@ -1,0 +1,132 @@
+"""How the canary's own time per decode step grows inside vLLM, and its fixed per-step constant.
+
+One in-process vLLM engine (the test suite's tiny Llama, block size 32, prefix caching on, the
+canary in `log` + real-data `partial` + sweep every 4 steps + token checks, vLLM's default dtype
+unless `--dtype`) serves `B` requests of `P`-token prompts for each cell of a grid. A cell's
+decode figures are the difference of two runs over the same prompts (prefix cache reset before
+each): one generating `1 + --decode` tokens a request, one generating 1 (the prefill alone).
+Its time is the canary's own time (the worker's timer around its hooks: view, HEAD, mirror,
+TAIL, sweeps; `canary_seconds`), its entries the protected-slot checks (verify entries and
+record writes of every stage, sweeps included), both per decode step; the median of
+`--repeats` differences is printed. A weighted least-squares fit `time = c0 + c1 * entries`
+over the cells (weights 1/time, as `bench/scaling.py` fits the reference engine) gives the
+fixed per-step constant c0 (goal <= 100 us) and the cost per entry c1.
+
+The scheduler side (the pool snapshot for a sweep, per-step stats) is not in this time:
+`bench/vllm_hooks.py` times it. The canary-off arm and on/off ratios are `bench/vllm_overhead.py`.
+
+    python bench/vllm_scaling.py [--batches 1,4,16] [--prompts 32,128,384] [--decode 32]
+                                 [--repeats 3] [--dtype auto|bfloat16|float32] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+from scaling import fit  # bench/scaling.py: the same weighted fit for both engines
+
+GOAL_C0_US = 100.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,4,16", help="requests per cell (at most 16)")
+    ap.add_argument("--prompts", default="32,128,384", help="prompt tokens per request")
+    ap.add_argument("--decode", type=int, default=32, help="decode steps timed per run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--json", dest="json_path", type=Path, default=None)
+    args = ap.parse_args()
+    batches = [int(x) for x in args.batches.split(",")]
+    prompts = [int(x) for x in args.prompts.split(",")]
+    if not batches or min(batches) < 1 or max(batches) > 16:
+        ap.error(f"--batches {args.batches!r}: each must be 1..16 (the engine's max_num_seqs)")
+    if not prompts or min(prompts) < 1 or max(prompts) + args.decode + 1 > 512:
+        ap.error(f"--prompts {args.prompts!r} with --decode {args.decode}: prompt + decode + 1 "
+                 f"must be 1..512 tokens (max_model_len)")  # fmt: skip
+    if args.decode < 1 or args.repeats < 1:
+        ap.error(f"--decode {args.decode} / --repeats {args.repeats}: each must be at least 1")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
+    os.environ.setdefault("KVCANARY_STATS_PRINT_EVERY_N_STEPS", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the canary's timer is read here
+
+    from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
+    from kvcanary.app.vllm.model import TinyLlamaSpec, ensure_tiny_llama
+    from kvcanary.app.vllm.workload import VllmRequest
+
+    spec = TinyLlamaSpec(hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
+    settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=16,
+                            max_num_batched_tokens=512, max_model_len=512,
+                            dtype=args.dtype)  # fmt: skip
+    engine = VllmEngine(settings, env)
+
+    def run(batch: int, prompt: int, tokens: int, seed: int) -> dict[str, Any]:
+        rng = random.Random(f"{batch}:{prompt}:{seed}")
+        reqs = [VllmRequest(tuple(rng.randrange(1, 512) for _ in range(prompt)), tokens)
+                for _ in range(batch)]  # fmt: skip
+        engine.reset_prefix_cache()
+        figures: dict[str, Any] = engine.run(reqs, seed=seed).figures
+        if figures["violations"]:
+            raise SystemExit(f"violations on clean work: {figures['violations_by_reason']}; "
+                             f"replay: python bench/vllm_scaling.py --batches {batch} "
+                             f"--prompts {prompt} --decode {args.decode}")  # fmt: skip
+        return figures
+
+    run(4, 64, 8, seed=999)  # warm-up: numba kernels, vLLM's first-call paths
+    cells: list[dict[str, Any]] = []
+    print(f"canary per decode step inside vLLM (tiny model, dtype {engine.dtype}, log + partial + "
+          f"sweep 4; median of {args.repeats} prefill-subtracted runs)")  # fmt: skip
+    print(f"{'batch':>5} {'prompt':>6} {'steps':>6} {'entries/step':>13} {'canary us':>10} "
+          f"{'ns/entry':>9}")  # fmt: skip
+    for batch in batches:
+        for prompt in prompts:
+            times, entries, steps = [], [], []
+            for seed in range(args.repeats):
+                full = run(batch, prompt, 1 + args.decode, seed)
+                pre = run(batch, prompt, 1, seed)
+                n = full["forward_steps"] - pre["forward_steps"]
+                if n <= 0:
+                    continue
+                times.append(1e6 * (full["canary_seconds"] - pre["canary_seconds"]) / n)
+                entries.append((full["protected_slot_checks"] - pre["protected_slot_checks"]) / n)
+                steps.append(n)
+            if not times:
+                continue
+            cell = {"batch": batch, "prompt": prompt, "steps": int(statistics.median(steps)),
+                    "entries": round(statistics.median(entries), 1),
+                    "canary_us_median": round(statistics.median(times), 2)}  # fmt: skip
+            cells.append(cell)
+            print(f"{batch:5d} {prompt:6d} {cell['steps']:6d} {cell['entries']:13.1f} "
+                  f"{cell['canary_us_median']:10.1f} "
+                  f"{1000 * cell['canary_us_median'] / max(cell['entries'], 1):9.1f}")  # fmt: skip
+    if len(cells) < 2:
+        print("fewer than two cells: no fit")
+        return 1
+    result = fit(cells)
+    verdict = "PASS" if result["c0_us"] <= GOAL_C0_US else "MISS"
+    print(
+        f"fit time = c0 + c1 * entries (weighted 1/time): c0 = {result['c0_us']:.1f} us per "
+        f"step (goal <= {GOAL_C0_US:.0f} us) {verdict}, c1 = {result['c1_ns_per_entry']:.2f} "
+        f"ns per entry, largest relative residual {100 * result['max_relative_residual']:.0f} %"
+    )
+    print(f"  unweighted: c0 = {result['ols_c0_us']:.1f} us, c1 = "
+          f"{result['ols_c1_ns_per_entry']:.2f} ns per entry, R^2 = {result['ols_r2']:.4f}; "
+          f"smallest cell {result['smallest_cell_us']:.1f} us")  # fmt: skip
+    if args.json_path is not None:
+        args.json_path.write_text(json.dumps({"cells": cells, "fit": result}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
