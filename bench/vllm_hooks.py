@@ -24,6 +24,23 @@ from collections.abc import Callable
 from typing import Any
 
 
+def profiled_engine(dtype: str) -> Any:
+    """The in-process `VllmEngine` these benches profile (also `bench/vllm_scaling.py`'s): the
+    test suite's tiny Llama, block size 32, 480 blocks, 16 sequences, 512-token budget and
+    context, the canary in `log` + real-data `partial` + sweep every 4 steps. Call it after the
+    environment defaults are set (vLLM reads them at import)."""
+    from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
+    from kvcanary.app.vllm.model import TinyLlamaSpec, ensure_tiny_llama
+
+    spec = TinyLlamaSpec(hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
+    settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=16,
+                            max_num_batched_tokens=512, max_model_len=512,
+                            dtype=dtype)  # fmt: skip
+    return VllmEngine(settings, env)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kind", default="decode", choices=["decode", "prefill"])
@@ -38,8 +55,6 @@ def main() -> int:
 
     from kvcanary.adapters.vllm import connector, prep, sweep, worker
     from kvcanary.adapters.vllm.mirror import KvMirror
-    from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
-    from kvcanary.app.vllm.model import TinyLlamaSpec, ensure_tiny_llama
     from kvcanary.app.vllm.workload import VllmRequest
     from kvcanary.canary.runtime import Canary
 
@@ -76,13 +91,7 @@ def main() -> int:
     wrap(connector, "snapshot_pool", "snapshot_pool (scheduler)")
     wrap(sweep.ParentLedger, "note_cached", "ParentLedger.note_cached (scheduler)")
 
-    spec = TinyLlamaSpec(hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
-    settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=16,
-                            max_num_batched_tokens=512, max_model_len=512,
-                            dtype=args.dtype)  # fmt: skip
-    engine = VllmEngine(settings, env)
+    engine = profiled_engine(args.dtype)
 
     def workload(seed: int) -> list[VllmRequest]:
         rng = random.Random(f"{args.kind}:{seed}")

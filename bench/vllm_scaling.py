@@ -1,8 +1,8 @@
 """How the canary's own time per decode step grows inside vLLM, and its fixed per-step constant.
 
-One in-process vLLM engine (the test suite's tiny Llama, block size 32, prefix caching on, the
-canary in `log` + real-data `partial` + sweep every 4 steps + token checks, vLLM's default dtype
-unless `--dtype`) serves `B` requests of `P`-token prompts for each cell of a grid. A cell's
+One in-process vLLM engine (`bench/vllm_hooks.py`'s: the test suite's tiny Llama, block size 32,
+prefix caching on, the canary in `log` + real-data `partial` + sweep every 4 steps + token
+checks; vLLM's default dtype unless `--dtype`) serves `B` requests of `P`-token prompts for each cell of a grid. A cell's
 decode figures are the difference of two runs over the same prompts (prefix cache reset before
 each): one generating `1 + --decode` tokens a request, one generating 1 (the prefill alone).
 Its time is the canary's own time (the worker's timer around its hooks: view, HEAD, mirror,
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from scaling import fit  # bench/scaling.py: the same weighted fit for both engines
+from vllm_hooks import profiled_engine  # the same engine and canary settings as the profile
 
 GOAL_C0_US = 100.0
 
@@ -59,17 +60,9 @@ def main() -> int:
     os.environ.setdefault("KVCANARY_STATS_PRINT_EVERY_N_STEPS", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the canary's timer is read here
 
-    from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
-    from kvcanary.app.vllm.model import TinyLlamaSpec, ensure_tiny_llama
     from kvcanary.app.vllm.workload import VllmRequest
 
-    spec = TinyLlamaSpec(hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
-    settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=16,
-                            max_num_batched_tokens=512, max_model_len=512,
-                            dtype=args.dtype)  # fmt: skip
-    engine = VllmEngine(settings, env)
+    engine = profiled_engine(args.dtype)
 
     def run(batch: int, prompt: int, tokens: int, seed: int) -> dict[str, Any]:
         rng = random.Random(f"{batch}:{prompt}:{seed}")
