@@ -56,11 +56,26 @@ PARTIAL_BYTES = 16
 C0_GOAL_US = 50.0
 
 
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers (`"1,4,16"`), each at least 1."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected comma-separated integers >= 1, e.g. 1,4,16"
+        )
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", default="1,4,16,64,256", help="comma-separated batch sizes")
-    p.add_argument("--contexts", default="256,1024,4096,16384", help="comma-separated prompt lens")
+    p.add_argument("--batches", type=int_list, default="1,4,16,64,256",
+                   help="comma-separated batch sizes")  # fmt: skip
+    p.add_argument("--contexts", type=int_list, default="256,1024,4096,16384",
+                   help="comma-separated prompt lens")  # fmt: skip
     p.add_argument("--max-entries", type=int, default=1 << 19, help="skip cells with B x L above")
     p.add_argument("--steps", type=int, default=21, help="timed decode steps per cell")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per cell")
@@ -72,11 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the table and fit as JSON")
     args = p.parse_args(argv)
     if args.quick:
-        args.batches, args.contexts, args.steps, args.warmup = "1,8", "256,1024", 3, 1
-    args.batch_list = [int(x) for x in args.batches.split(",")]
-    args.context_list = [int(x) for x in args.contexts.split(",")]
-    if min(args.batch_list) < 1 or min(args.context_list) < 1 or args.steps < 2:
-        p.error("batch sizes and contexts must be >= 1 and --steps >= 2")
+        args.batches, args.contexts, args.steps, args.warmup = [1, 8], [256, 1024], 3, 1
+    if args.steps < 2:
+        p.error(f"--steps {args.steps}: must be >= 2")
     return args
 
 
@@ -260,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'batch':>6}{'context':>9}{'entries/step':>14}{'bytes/step':>14}"
         f"{'canary us':>12}{'min us':>10}{'wall us':>10}{'ns/entry':>10}"
     )
-    for batch in args.batch_list:
-        for context in args.context_list:
+    for batch in args.batches:
+        for context in args.contexts:
             if batch * context > args.max_entries:
                 continue
             c = measure_cell(args, batch, context, flush)

@@ -23,6 +23,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+#: the profiled engine's sequence and context limits (`bench/vllm_scaling.py` checks its grid)
+MAX_SEQS, MAX_MODEL_LEN = 16, 512
+
 
 def profiled_engine(dtype: str) -> Any:
     """The in-process `VllmEngine` these benches profile (also `bench/vllm_scaling.py`'s): the
@@ -35,8 +38,8 @@ def profiled_engine(dtype: str) -> Any:
     spec = TinyLlamaSpec(hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
-    settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=16,
-                            max_num_batched_tokens=512, max_model_len=512,
+    settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=MAX_SEQS,
+                            max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN,
                             dtype=dtype)  # fmt: skip
     return VllmEngine(settings, env)
 

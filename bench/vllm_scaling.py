@@ -1,10 +1,13 @@
 """How the canary's own time per decode step grows inside vLLM, and its fixed per-step constant.
 
-One in-process vLLM engine (`bench/vllm_hooks.py`'s: the test suite's tiny Llama, block size 32,
-prefix caching on, the canary in `log` + real-data `partial` + sweep every 4 steps + token
-checks; vLLM's default dtype unless `--dtype`) serves `B` requests of `P`-token prompts for each cell of a grid. A cell's
-decode figures are the difference of two runs over the same prompts (prefix cache reset before
-each): one generating `1 + --decode` tokens a request, one generating 1 (the prefill alone).
+One in-process vLLM engine (`bench/vllm_hooks.py`'s: the test suite's tiny Llama, block size
+32, prefix caching on, the canary in `log` + real-data `partial` + sweep every 4 steps + token
+checks; vLLM's default dtype unless `--dtype`) serves `B` requests of `P`-token prompts for each
+cell of a grid. A cell's decode figures are the difference of two runs over the same prompts
+(prefix cache reset before each): one generating `1 + --decode` tokens a request, one
+generating 1 (the prefill alone). Where the prefill is chunked (B x P above the 512-token step
+budget) the longer run's early rows decode beside later rows' chunks, so a few of its decode
+steps carry prefill tokens too.
 Its time is the canary's own time (the worker's timer around its hooks: view, HEAD, mirror,
 TAIL, sweeps; `canary_seconds`), its entries the protected-slot checks (verify entries and
 record writes of every stage, sweeps included), both per decode step; the median of
@@ -30,28 +33,29 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from scaling import fit  # bench/scaling.py: the same weighted fit for both engines
-from vllm_hooks import profiled_engine  # the same engine and canary settings as the profile
+from scaling import fit, int_list  # bench/scaling.py: the same weighted fit for both engines
+from vllm_hooks import MAX_MODEL_LEN, MAX_SEQS, profiled_engine  # the profile's engine
 
 GOAL_C0_US = 100.0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="1,4,16", help="requests per cell (at most 16)")
-    ap.add_argument("--prompts", default="32,128,384", help="prompt tokens per request")
+    ap.add_argument("--batches", type=int_list, default="1,4,16",
+                    help=f"requests per cell (at most {MAX_SEQS})")  # fmt: skip
+    ap.add_argument("--prompts", type=int_list, default="32,128,384",
+                    help="prompt tokens per request")  # fmt: skip
     ap.add_argument("--decode", type=int, default=32, help="decode steps timed per run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--json", dest="json_path", type=Path, default=None)
     args = ap.parse_args()
-    batches = [int(x) for x in args.batches.split(",")]
-    prompts = [int(x) for x in args.prompts.split(",")]
-    if not batches or min(batches) < 1 or max(batches) > 16:
-        ap.error(f"--batches {args.batches!r}: each must be 1..16 (the engine's max_num_seqs)")
-    if not prompts or min(prompts) < 1 or max(prompts) + args.decode + 1 > 512:
-        ap.error(f"--prompts {args.prompts!r} with --decode {args.decode}: prompt + decode + 1 "
-                 f"must be 1..512 tokens (max_model_len)")  # fmt: skip
+    batches, prompts = args.batches, args.prompts
+    if max(batches) > MAX_SEQS:
+        ap.error(f"--batches {max(batches)}: at most {MAX_SEQS} (the engine's max_num_seqs)")
+    if max(prompts) + args.decode + 1 > MAX_MODEL_LEN:
+        ap.error(f"--prompts {max(prompts)} with --decode {args.decode}: prompt + decode + 1 "
+                 f"must be at most {MAX_MODEL_LEN} tokens (max_model_len)")  # fmt: skip
     if args.decode < 1 or args.repeats < 1:
         ap.error(f"--decode {args.decode} / --repeats {args.repeats}: each must be at least 1")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

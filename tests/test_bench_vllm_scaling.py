@@ -47,6 +47,8 @@ def test_small_grid_prints_table_and_fit(tmp_path: Path) -> None:
     (("--batches", "32"), "--batches"),
     (("--prompts", "600"), "--prompts"),
     (("--decode", "0"), "--decode"),
+    (("--batches", "1,x"), "--batches"),
+    (("--prompts", "0"), "--prompts"),
 ])  # fmt: skip
 def test_bad_grid_exits_2_naming_the_flag(flags: tuple[str, ...], knob: str) -> None:
     proc = _run(*flags)
