@@ -25,7 +25,7 @@ from kvcanary.canary import (
     install,
     runtime,
 )
-from kvcanary.canary.fused import FusedForward
+from kvcanary.canary.fused import FusedForward, PackedForward
 from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, RealKvSource, TruthTable
 
 EXAMPLES = int(os.environ.get("KVCANARY_FUZZ_EXAMPLES", "2600")) // 4
@@ -168,7 +168,7 @@ def outcome(kernels: str, sc: dict[str, Any], taken: list[str] | None = None) ->
                 opened = canary._open  # white-box: which path this forward took
                 assert opened is not None
                 if taken is not None:
-                    taken.append("staged" if opened.fused is not None else "other")
+                    taken.append("staged" if isinstance(opened, PackedForward) else "other")
                 if 0 <= fw["kv_flip"] < k_bytes.numel():
                     k_bytes.view(-1)[fw["kv_flip"]] ^= 1  # the "model" writes some KV byte
                 guarded(f"post{step}", lambda v=view: canary.post_forward(view=v))

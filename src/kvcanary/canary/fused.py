@@ -36,7 +36,8 @@ I64 = npt.NDArray[np.int64]
 _INT64 = np.dtype(np.int64)
 _TABLE_DTYPES = (np.dtype(np.int32), _INT64)
 _NO_WINDOW = 1 << 62
-_DONE, _PLAN_ONLY, _GROW_SCRATCH = 0, 1, 2  # `kernels.fast_forward` statuses (3: fall back)
+# `kernels.fast_forward` statuses (3: fall back)
+_DONE, _PLAN_ONLY, _GROW_SCRATCH, _GROW_PACKED = 0, 1, 2, 4
 
 
 class PackedForward(NamedTuple):
@@ -131,6 +132,7 @@ class FusedForward:
         self._token_check = token_check
         self._scratch = scratch
         head_tag, head_words, head_src = launches["head"]
+        self.head_tag, self.tail_tag = head_tag, launches["tail"][0]
         tail_tag, tail_words, tail_src = launches["tail"]
         sweep_tag, sweep_words, sweep_src = launches["sweep"]
         self._head = (head_words, *head_src.words, head_src.params, head_src.count, int(head_tag))
@@ -139,48 +141,59 @@ class FusedForward:
                        int(sweep_tag))  # fmt: skip
         self._no_truth = np.zeros((0, 0), dtype=np.int64)
         self._no_lens = np.zeros(0, dtype=np.int64)
+        # the packed plan of the open forward (overwritten by the next `head`; a forward's
+        # TAIL runs before the next forward's HEAD)
+        self._packed: I64 = np.zeros(1024, dtype=np.int64)
+        # `forward_head`'s arguments between the view's and the chain-position flag, bound once
+        # (the group, its buffers and the capacities are fixed for the install)
+        self._head_plan = (
+            *self._caps, self._lut, group.lut is not None, self._window, group.num_slots,
+            group.offset, self._verify_capacity, group.write_marks, serial_limit,
+        )  # fmt: skip
 
     def head(self, view: ForwardView, chain_position_enabled: bool) -> PackedForward | None:
         """Check, snapshot and plan `view`; run its HEAD stage when it is small. None: take the
         general path (a view these checks do not pass, or in a form they do not read)."""
         arrays = (view.rows, view.prefix_lens, view.extend_lens, view.input_ids, view.positions,
                   view.out_slots)  # fmt: skip
-        if not all(map(_plain, arrays)):
-            return None
         r2t = _table(view.req_to_token, 2)
-        if r2t is None:
+        if r2t is None or not all(map(_plain, arrays)):
             return None
         truth: npt.NDArray[np.integer[Any]] = self._no_truth
         lens: npt.NDArray[np.integer[Any]] = self._no_lens
-        has_truth = False
         given = view.truth_tokens
-        if self._token_check and given is not None:
+        has_truth = self._token_check and given is not None
+        if has_truth:
             if type(given) is not TruthTable:
                 return None
             table, lengths = _table(given.tokens, 2), _table(given.lens, 1)
             if table is None or lengths is None:
                 return None
-            truth, lens, has_truth = table, lengths, True
+            truth, lens = table, lengths
         linear_chain = bool(view.linear_chain)
         chain_position = chain_position_enabled and linear_chain
-        g = self._group
         scratch = self._scratch
         while True:
             out = self._head_kernel(
-                *arrays, r2t, truth, lens, has_truth, *self._caps, self._lut, g.lut is not None,
-                self._window, g.num_slots, g.offset, self._verify_capacity, g.write_marks,
-                self._serial_limit, chain_position, *self._head, scratch.words, scratch.state,
+                self._packed, *arrays, r2t, truth, lens, has_truth, *self._head_plan,
+                chain_position, *self._head, scratch.words, scratch.state,
             )  # fmt: skip
-            status = out[1]
-            if status != _GROW_SCRATCH:
+            status = out[0]
+            # on a grow status nothing was written: plan again (a pure function of the view)
+            if status == _GROW_SCRATCH:
+                scratch.prepare(out[1])
+            elif status == _GROW_PACKED:
+                self._packed = np.empty(max(out[1], 2 * len(self._packed)), dtype=np.int64)
+            else:
                 break
-            scratch.prepare(out[2])  # then plan again: the plan is a pure function of the view
         if status > _GROW_SCRATCH:
             return None
-        packed, _, _, nr, nt, nw, nv, total_v, overflow, shadowed, writes, _ = out
+        _, _, nr, nt, nw, nv, total_v, overflow, shadowed, writes, _ = out
+        packed = self._packed
         return PackedForward(
             packed, nr, nt, nw, nv, total_v, overflow, shadowed, writes, linear_chain,
-            chain_position, status == _DONE, r2t, truth if has_truth else np.zeros((nr, 0), dtype=np.int64),
+            chain_position, status == _DONE, r2t,
+            truth if has_truth else np.zeros((nr, 0), dtype=np.int64),
         )  # fmt: skip
 
     def tail(self, fwd: PackedForward) -> None:

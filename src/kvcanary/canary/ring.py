@@ -46,6 +46,9 @@ class ViolationRing:
         self._last_summary_step: int | None = None
         #: every dropped row by (tag, reason), never reset (engines' metrics read deltas)
         self.dropped_totals: Counter[tuple[str, str]] = Counter()
+        #: grows whenever `drain` or `dropped_totals` would show something new, so a reader
+        #: polling every step skips both on the clean path with one comparison
+        self.changes = 0
 
     def absorb(self, rows: npt.NDArray[np.int64]) -> None:
         """Append `rows` (`[n, 8]`, in order) with fill-once semantics, counting every one."""
@@ -58,6 +61,7 @@ class ViolationRing:
             self.rows[start : start + room] = rows[:room]
         dropped = rows[room:]
         if len(dropped):
+            self.changes += 1
             self._dropped_rows += len(dropped)
             pairs, counts = np.unique(dropped[:, [0, 7]], axis=0, return_counts=True)
             for (kind, bits), n in zip(pairs.tolist(), counts.tolist(), strict=True):
@@ -99,7 +103,9 @@ class ViolationRing:
             for i in range(self._last_reported, end)
         ]
         self._last_reported = end
-        self._reported.extend(new)
+        if new:
+            self.changes += 1
+            self._reported.extend(new)
         self._summarise_dropped(step, total)
         return new
 

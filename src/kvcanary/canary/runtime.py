@@ -57,12 +57,11 @@ class _Kernels:
 
 @dataclass(frozen=True, slots=True)
 class _OpenForward:
-    """A forward between HEAD and TAIL: the general path's snapshot and plans, or (`fused`) the
-    packed plan of a forward whose HEAD ran fused, whose TAIL then runs fused too."""
+    """A forward between HEAD and TAIL on the general path: its snapshot and plans. (A forward
+    whose HEAD ran fused is open as its `PackedForward`, and its TAIL runs fused too.)"""
 
-    snapshot: ViewSnapshot | None
-    plans: dict[str, GroupPlan] | None
-    fused: PackedForward | None = None
+    snapshot: ViewSnapshot
+    plans: dict[str, GroupPlan]
 
 
 class Canary:
@@ -130,7 +129,7 @@ class Canary:
         self.chain_position_assert_enabled = False
         self._walker: PrefixCacheWalker | None = None
         self._last_sweep_step: int | None = None
-        self._open: _OpenForward | None = None
+        self._open: _OpenForward | PackedForward | None = None
         self._tripped = False
         self._health = HealthChecker()
         # Built once: the config and groups are frozen, and these are read every forward.
@@ -229,12 +228,11 @@ class Canary:
                 "kv-canary: post_forward called without a matching pre_forward"
             )
         opened, self._open = self._open, None
-        if opened.fused is not None:
+        if isinstance(opened, PackedForward):
             assert self._fused is not None
-            self._fused.tail(opened.fused)
-            self._fused_stage_done("tail", opened.fused)
+            self._fused.tail(opened)
+            self._fused_stage_done(self._fused.tail_tag, opened)
         else:
-            assert opened.snapshot is not None and opened.plans is not None
             self._run_stage("tail", opened.snapshot, opened.plans)
         self._pump()
         if self._perturb is not None:
@@ -384,14 +382,15 @@ class Canary:
         if fwd.overflow:
             warn_verify_overflow(fwd.total_v, self.capacities.verify_capacity)
         if fwd.staged:
-            self._open = _OpenForward(None, None, fwd)
+            self._open = fwd
         else:  # too large for one thread: the general stages over the same plan
             snap, plans = fwd.snapshot(), {self.groups[0].name: fwd.plan()}
             self._open = _OpenForward(snap, plans)
         self._health.note_forward()
         try:
             if fwd.staged:
-                self._fused_stage_done("head", fwd)
+                assert self._fused is not None
+                self._fused_stage_done(self._fused.head_tag, fwd)
             else:
                 self._run_stage("head", snap, plans)
             self._pump()
@@ -399,12 +398,10 @@ class Canary:
             self._open = None  # the forward will not run
             raise
 
-    def _fused_stage_done(self, stage: str, fwd: PackedForward) -> None:
+    def _fused_stage_done(self, tag: LaunchTag, fwd: PackedForward) -> None:
         """A fused stage's bookkeeping, as `_run_stage` keeps it for a fused serial launch."""
-        rows = self._pass_rows.take()
-        if len(rows):
-            self.ring.absorb(rows)
-        tag = self._launches[stage][0][1]
+        if self._pass_rows.state[0]:  # rows recorded (a clean pass takes nothing)
+            self.ring.absorb(self._pass_rows.take())
         self.kernel_run_counter[tag] += 2  # a verify (or its overflow skip) and a write
         self.slot_run_counter[tag] += fwd.nv + fwd.writes
 

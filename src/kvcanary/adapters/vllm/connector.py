@@ -306,13 +306,15 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self.sidecars.export(w)
 
     def _raising(self, fn: Any, arg: Any) -> Any:
-        from kvcanary.canary import CanaryViolationError
-
         try:
             return fn(arg)
-        except CanaryViolationError as exc:
+        except Exception as exc:
+            # imported on a violation only: a hook's clean path runs no import machinery
             from kvcanary.adapters.vllm.plugin import write_stop_note
+            from kvcanary.canary import CanaryViolationError
 
+            if not isinstance(exc, CanaryViolationError):
+                raise
             first = str(exc).splitlines()[0]
             reqs = self.worker.running_requests() if self.worker is not None else []
             if reqs:

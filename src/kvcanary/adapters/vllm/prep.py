@@ -140,7 +140,9 @@ def _forward(  # type: ignore[no-untyped-def]
 class StepPrep:
     """Per-worker state of the compiled pass: the persistent `req_to_token` (row `r + 1` is
     persistent-batch row `r`, as `view.paged_req_to_token` builds it), the block ids it expands,
-    and two per-cache-block scratches (all -1 and all False between calls)."""
+    two per-cache-block scratches (all -1 and all False between calls), and the buffers the
+    view's arrays and the TAIL block list live in (kept across calls: a view is valid until the
+    next `forward`)."""
 
     def __init__(self, block_table: npt.NDArray[np.integer[Any]], block_size: int,
                  num_cache_blocks: int) -> None:  # fmt: skip
@@ -149,6 +151,10 @@ class StepPrep:
         self._grow(1)
         self._owner = np.full(num_cache_blocks, -1, dtype=np.int64)
         self._listed = np.zeros(num_cache_blocks, dtype=np.bool_)
+        self._out: I64 = np.zeros(0, dtype=np.int64)  # the view's arrays, back to back
+        self._tail: I64 = np.zeros(0, dtype=np.int64)
+        self._view: ForwardView | None = None  # the last view and what it was cut for
+        self._view_key: tuple[Any, ...] = ()
         self.tail_blocks: I64 = np.zeros(0, dtype=np.int64)
         self.cross = False
         self.min_slot = 0
@@ -166,25 +172,38 @@ class StepPrep:
                 num_prompt: npt.NDArray[np.integer[Any]], input_ids: npt.NDArray[np.integer[Any]],
                 positions: npt.NDArray[np.integer[Any]],
                 slots: npt.NDArray[np.integer[Any]],
-                truth_tokens: TruthTable | None = None) -> ForwardView:  # fmt: skip
+                truth_tokens: TruthTable | None = None,
+                num_tokens: int | None = None) -> ForwardView:  # fmt: skip
         """The view `view.build_forward_view` makes from the same inputs, with the batch's shape
         and `run` in one compiled call: rows `1..num_reqs`, their computed and scheduled token
-        counts, the flat arrays as int64 (slots below -1 as -1; each keeps its own length, the
-        canary checks them) and `req_to_token` (rows `1..num_reqs` synced over the blocks this
-        forward reaches). Afterwards `tail_blocks` lists the cache blocks TAIL reads (each row's
-        `[0, computed)` and the written slots' blocks; each block once), `cross` is False only
-        when no row's prefix block is written by another row in this forward (then the forward
-        is one canary wave), `min_slot` is the smallest slot (0 if none below) and `chunked`
-        counts the rows still inside their prompt after this forward."""
+        counts, the flat arrays as int64 (cut to their first `num_tokens` entries when given;
+        slots below -1 as -1; each keeps its own length, the canary checks them) and
+        `req_to_token` (rows `1..num_reqs` synced over the blocks this forward reaches).
+        Afterwards `tail_blocks` lists the cache blocks TAIL reads (each row's `[0, computed)`
+        and the written slots' blocks; each block once), `cross` is False only when no row's
+        prefix block is written by another row in this forward (then the forward is one canary
+        wave), `min_slot` is the smallest slot (0 if none below) and `chunked` counts the rows
+        still inside their prompt after this forward.
+
+        The view's arrays are this object's buffers, overwritten by the next call; a call with
+        the same shapes and truth table returns the same view object, refilled."""
         if num_reqs > self._seen.shape[0]:
             raise ValueError(f"kv-canary: {num_reqs} rows exceed the block table's "
                              f"{self._seen.shape[0]}")  # fmt: skip
         if min(len(query_start_loc) - 1, len(num_computed), len(num_prompt)) < num_reqs:
             raise ValueError(f"kv-canary: the runner's batch arrays are shorter than its "
                              f"{num_reqs} rows")  # fmt: skip
-        n, ni, npos = num_reqs, len(input_ids), len(positions)
-        out = np.empty(3 * n + ni + npos + len(slots), dtype=np.int64)
-        tail = np.empty(n * block_table.shape[1] + len(slots), dtype=np.int64)
+        if num_tokens is not None:
+            input_ids, positions, slots = (input_ids[:num_tokens], positions[:num_tokens],
+                                           slots[:num_tokens])  # fmt: skip
+        n, ni, npos, ns = num_reqs, len(input_ids), len(positions), len(slots)
+        size = 3 * n + ni + npos + ns
+        if size > len(self._out) or n * block_table.shape[1] + ns > len(self._tail):
+            self._out = np.empty(max(size, 2 * len(self._out)), dtype=np.int64)
+            self._tail = np.empty(max(n * block_table.shape[1] + ns, 2 * len(self._tail)),
+                                  dtype=np.int64)  # fmt: skip
+            self._view_key = ()
+        out, tail = self._out, self._tail
         chunked, nblocks, k, cross, low = _forward(
             block_table, query_start_loc, num_computed, num_prompt, n, input_ids, positions,
             slots, self.block_size, out, self.table, self._seen, self._owner, self._listed, tail,
@@ -194,11 +213,18 @@ class StepPrep:
             k, cross, low = _prep(block_table, n, nblocks, out[n : 2 * n], out[2 * n : 3 * n],
                                   slots, self.block_size, self.table, self._seen, self._owner,
                                   self._listed, tail)  # fmt: skip
+            self._view_key = ()
         self.tail_blocks, self.cross, self.min_slot = tail[:k], bool(cross), int(low)
         self.chunked = int(chunked)
+        key = (n, ni, npos, ns, truth_tokens)
+        if key == self._view_key and self._view is not None:
+            return self._view  # the same slices of the same buffers, refilled in place
         f = 3 * n + ni
-        return ForwardView(
+        self._view = ForwardView(
             rows=out[:n], prefix_lens=out[n : 2 * n], extend_lens=out[2 * n : 3 * n],
-            input_ids=out[3 * n : f], positions=out[f : f + npos], out_slots=out[f + npos :],
-            req_to_token=self.table[: n + 1], truth_tokens=truth_tokens, mutable=False,
+            input_ids=out[3 * n : f], positions=out[f : f + npos],
+            out_slots=out[f + npos : f + npos + ns], req_to_token=self.table[: n + 1],
+            truth_tokens=truth_tokens, mutable=False,
         )  # fmt: skip
+        self._view_key = key
+        return self._view

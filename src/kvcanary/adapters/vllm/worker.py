@@ -9,7 +9,6 @@ inside functions.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -29,6 +28,7 @@ from kvcanary.adapters.vllm.layout import (
     build_sources,
 )
 from kvcanary.adapters.vllm.layout import calibrate as calibrate_layout
+from kvcanary.adapters.vllm.mirror import KvMirror
 from kvcanary.adapters.vllm.prep import StepPrep
 from kvcanary.adapters.vllm.state import STATE, RunnerHooks
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
@@ -112,9 +112,12 @@ class CanaryWorker:
         self._waves: list[ForwardView] = []
         self._prep: StepPrep | None = None  # req_to_token kept across steps, wave test
         self._host = HostViews()  # NumPy views of the runner's input buffers, made once
+        self._truth: TruthTable | None = None  # the runner's token table, as the last view read it
         self.num_blocks = 0
-        self._tail_blocks: np.ndarray | None = None  # blocks TAIL reads (mirror re-gather)
+        self._mirror: KvMirror | None = None  # the sources' mirror, if a layout needs one
+        self._tail_blocks: np.ndarray | None = None  # blocks TAIL reads (set with a mirror)
         self._last_checks = 0
+        self._ring_changes = 0  # `ViolationRing.changes` as `_collect` last read it
         self._dropped_seen: Counter[tuple[str, str]] = Counter()
         self.last_request_ids: list[str] = []
         self._layer0 = ""  # the KV cache layer the canary covers (its slot mapping is read)
@@ -176,6 +179,7 @@ class CanaryWorker:
                 read = 16 if mode == "partial" else self.layout.k.shape[2] * kv.element_size()
                 self.sources = build_sources(kv, self.layout, read)
                 k_sources, v_sources = self.sources.k_half(), self.sources.v_half()
+                self._mirror = self.sources.mirror
         group = BufferGroupSpec(kind=GroupKind.FULL, num_slots=num_slots,
                                 k_sources=k_sources, v_sources=v_sources)  # fmt: skip
         sched = runner.vllm_config.scheduler_config
@@ -216,7 +220,7 @@ class CanaryWorker:
         if hooks is not None and hasattr(hooks, "walker"):
             hooks.walker = self.walker  # the scheduler's snapshot of this step (sweep steps)
         if hooks is not None and hasattr(hooks, "mirror"):
-            hooks.mirror = self.sources.mirror if self.sources is not None else None
+            hooks.mirror = self._mirror
         if self.canary is not None:
             self.canary.set_perturber(hooks if hasattr(hooks, "before_plan") else None)
 
@@ -234,8 +238,8 @@ class CanaryWorker:
             assert self._prep is not None
             self._waves = split_waves(view) if self._prep.cross else [view]
             self.split_forwards += len(self._waves) > 1
-            with self._flips_reach_cache(canary, self._tail_blocks):
-                canary.pre_forward(view=self._waves[0])  # HEAD folds no real KV: no re-gather
+            # HEAD folds no real KV: no re-gather
+            self._with_flips(self._tail_blocks, canary.pre_forward, view=self._waves[0])
         except Exception:
             self._waves = []
             raise
@@ -250,26 +254,23 @@ class CanaryWorker:
         t0 = time.perf_counter()
         waves, self._waves = self._waves, []
         try:
-            mirror = self.sources.mirror if self.sources is not None else None
-            if mirror is not None and self._tail_blocks is not None:
-                mirror.refresh(self._tail_blocks)  # what TAIL reads, at check time
-            with self._flips_reach_cache(canary, self._tail_blocks):
-                canary.post_forward(view=waves[0])
-                for later in waves[1:]:  # rows that hit prefix blocks written by this forward
-                    canary.pre_forward(view=later)
-                    canary.post_forward(view=later)
+            mirror = self._mirror
+            tail = self._tail_blocks  # set only when there is a mirror
+            if tail is not None:
+                mirror.refresh(tail)  # what TAIL reads, at check time
+            self._with_flips(tail, self._tail_waves, waves=waves)
             if self._runner_hooks is not None:
                 self._runner_hooks.after_forward(runner=self.runner, step=canary.step)
-            self.walker.snapshot = snapshot
             swept = None
-            if snapshot is not None and mirror is not None and canary.sweep_due:
-                swept = snapshot.rows[:, 0]
-                mirror.refresh(swept)  # a snapshot names each block once
+            if snapshot is not None:
+                self.walker.snapshot = snapshot
+                if mirror is not None and canary.sweep_due:
+                    swept = snapshot.rows[:, 0]
+                    mirror.refresh(swept)  # a snapshot names each block once
             sweeps = canary.sweep_passes
             walks = self.walker.walks
             try:
-                with self._flips_reach_cache(canary, swept):
-                    canary.end_step()
+                self._with_flips(swept, canary.end_step)
             finally:
                 self.walker.snapshot = None
                 self.figures.sweeps += int(
@@ -280,16 +281,26 @@ class CanaryWorker:
             self._collect()
             self.canary_seconds += time.perf_counter() - t0
 
-    def _flips_reach_cache(
-        self, canary: Canary, blocks: np.ndarray | None
-    ) -> contextlib.AbstractContextManager[None]:
-        """Around a canary call where a fault injector may flip bytes of mirrored sources:
-        `KvMirror.flips_written_back` over `blocks`, so the flips reach the cache instead of
-        being erased by the next re-gather. Nothing at all without an injector (production)."""
-        mirror = self.sources.mirror if self.sources is not None else None
-        if mirror is None or blocks is None or not canary.perturbed:
-            return contextlib.nullcontext()
-        return mirror.flips_written_back(blocks)
+    def _tail_waves(self, waves: list[ForwardView]) -> None:
+        """TAIL of the first wave, then HEAD and TAIL of each later wave."""
+        canary = self.canary
+        assert canary is not None
+        canary.post_forward(view=waves[0])
+        for later in waves[1:]:  # rows that hit prefix blocks written by this forward
+            canary.pre_forward(view=later)
+            canary.post_forward(view=later)
+
+    def _with_flips(self, blocks: np.ndarray | None, fn: Any, **kwargs: Any) -> None:
+        """`fn(**kwargs)` (a canary call). Where a fault injector may flip bytes of mirrored
+        sources it runs inside `KvMirror.flips_written_back` over `blocks`, so the flips reach
+        the cache instead of being erased by the next re-gather; without an injector
+        (production) it is a plain call."""
+        mirror = self._mirror
+        if mirror is None or blocks is None or self.canary is None or not self.canary.perturbed:
+            fn(**kwargs)
+            return
+        with mirror.flips_written_back(blocks):
+            fn(**kwargs)
 
     def _view(self, slot_mapping: Any) -> ForwardView | None:
         runner = self.runner
@@ -309,8 +320,13 @@ class CanaryWorker:
             mapping = bt.slot_mapping.cpu
         truth = None
         if self.config.enable_verify_token_assert:
-            # the persistent token table, read in place (the canary copies what it checks)
-            truth = TruthTable(ib.token_ids_cpu, ib.num_tokens_no_spec[:num_reqs])
+            # the persistent token table, read in place (the canary copies what it checks);
+            # the same object while the batch keeps its size, so the view is reused too
+            truth = self._truth
+            lens = ib.num_tokens_no_spec
+            if (truth is None or len(truth) != num_reqs or truth.tokens is not ib.token_ids_cpu
+                    or truth.lens.base is not lens):  # fmt: skip
+                truth = self._truth = TruthTable(ib.token_ids_cpu, lens[:num_reqs])
         self.last_request_ids = ib.req_ids[:num_reqs]
         table = bt.block_table.np
         if self._prep is None:
@@ -324,8 +340,7 @@ class CanaryWorker:
             host.prefix(mapping, total), truth,
         )  # fmt: skip
         self.chunked_prefill_rows += self._prep.chunked
-        mirrored = self.sources is not None and self.sources.mirror is not None
-        self._tail_blocks = self._prep.tail_blocks if mirrored else None
+        self._tail_blocks = self._prep.tail_blocks if self._mirror is not None else None
         return view
 
     # ------------------------------------------------------------------ figures
@@ -338,6 +353,9 @@ class CanaryWorker:
         checks = sum(canary.slot_run_counter.values())
         self.figures.checks += checks - self._last_checks
         self._last_checks = checks
+        if canary.ring.changes == self._ring_changes:
+            return  # nothing pumped, nothing dropped since the last call: the clean step
+        self._ring_changes = canary.ring.changes
         new = canary.drain_violations()
         dropped = canary.ring.dropped_totals
         beyond = {k: n - self._dropped_seen.get(k, 0) for k, n in dropped.items()

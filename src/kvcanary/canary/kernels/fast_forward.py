@@ -24,14 +24,15 @@ from kvcanary.canary.kernels.fast_stage import stage_serial
 from kvcanary.canary.kernels.fast_verify import verify_serial
 
 __all__ = [
-    "DONE", "FALLBACK", "FALLBACK_SWEEP", "GROW_SCRATCH", "PLAN_ONLY", "forward_head",
+    "DONE", "FALLBACK", "FALLBACK_SWEEP", "GROW_PACKED", "GROW_SCRATCH", "PLAN_ONLY", "forward_head",
     "forward_tail", "sweep_serial",
 ]  # fmt: skip
 
 #: `forward_head` statuses: the HEAD stage ran; the plan is built but the stage is too large
 #: for one thread (the runtime launches it); the scratch ring needs `value` rows (call again);
-#: the view is not the common case (the runtime takes the general path).
-DONE, PLAN_ONLY, GROW_SCRATCH, FALLBACK = 0, 1, 2, 3
+#: the view is not the common case (the runtime takes the general path); the packed buffer
+#: needs `value` entries (call again).
+DONE, PLAN_ONLY, GROW_SCRATCH, FALLBACK, GROW_PACKED = 0, 1, 2, 3, 4
 #: `sweep_serial`'s answer for a walk with a slot outside the group (the general path raises)
 FALLBACK_SWEEP = -(1 << 62)
 
@@ -71,38 +72,41 @@ def _view_fits(rows, prefix, extend, input_ids, positions, out_slots, req_cap, e
 
 @njit(cache=True)
 def forward_head(  # type: ignore[no-untyped-def]
-    rows, prefix, extend, input_ids, positions, out_slots, r2t, truth, truth_lens, has_truth,
-    req_cap, entry_cap, lut, use_lut, window, num_slots, offset, verify_capacity, marks,
-    serial_limit, chain_position, buf, s0, s1, s2, s3, params, count, tag, ring, state,
+    packed, rows, prefix, extend, input_ids, positions, out_slots, r2t, truth, truth_lens,
+    has_truth, req_cap, entry_cap, lut, use_lut, window, num_slots, offset, verify_capacity,
+    marks, serial_limit, chain_position, buf, s0, s1, s2, s3, params, count, tag, ring, state,
 ):  # fmt: skip
-    """Check, snapshot and plan one view, then run its HEAD stage (`stage_serial`, rows into
-    `ring`/`state`, reset first) when it is small. Returns `(packed, status, value, rows,
-    tokens, writes, verify entries, total_v, overflow, shadowed, records written, verified)`:
-    `value` is the scratch rows needed (`GROW_SCRATCH`), `verified` the ring rows of the
-    verify (`DONE`)."""
+    """Check, snapshot and plan one view into `packed` (its first entries; the caller's buffer,
+    kept across calls: a returned array would be boxed on every call), then run its HEAD stage
+    (`stage_serial`, rows into `ring`/`state`, reset first) when it is small. Returns
+    `(status, value, rows, tokens, writes, verify entries, total_v, overflow, shadowed,
+    records written, verified)`: `value` is the scratch rows (`GROW_SCRATCH`) or packed entries
+    (`GROW_PACKED`) needed, `verified` the ring rows of the verify (`DONE`)."""
     nr = rows.shape[0]
     nt = input_ids.shape[0]
     none = np.empty(0, dtype=np.int64)
     if not _view_fits(rows, prefix, extend, input_ids, positions, out_slots, req_cap,
                       entry_cap):  # fmt: skip
-        return none, FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
+        return FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
     lens = np.zeros(nr, dtype=np.int64)
     if has_truth:  # `_truth_from_table`: its rows, the given lengths, none negative
         n = min(truth_lens.shape[0], nr)
         if n > truth.shape[0]:
-            return none, FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
+            return FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
         for r in range(n):
             if truth_lens[r] < 0:
-                return none, FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
+                return FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
             lens[r] = truth_lens[r]
     req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, overflow, err, shadowed = (
         build_plan(rows, prefix, extend, r2t, out_slots, lut, use_lut, window, num_slots, truth,
                    lens, offset, verify_capacity, marks)
     )  # fmt: skip
     if err[0] != 0:
-        return none, FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
+        return FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
     nw, nv = w_slots.shape[0], v_slot.shape[0]
-    packed = np.empty(4 * nr + 3 * nt + 2 * nr + 1 + nw + 4 * nv, dtype=np.int64)
+    size = 4 * nr + 3 * nt + 2 * nr + 1 + nw + 4 * nv
+    if size > packed.shape[0]:
+        return GROW_PACKED, size, 0, 0, 0, 0, 0, False, False, 0, 0
     k = 0
     for arr in (rows, prefix, extend, lens):
         packed[k : k + nr] = arr
@@ -137,7 +141,7 @@ def forward_head(  # type: ignore[no-untyped-def]
             shadowed, input_ids, positions, _no_assert(nr), none, none, chain_position, s0, s1, s2, s3,
             params, count, tag, ring, state,
         )  # fmt: skip
-    return packed, status, value, nr, nt, nw, nv, total_v, overflow, shadowed, writes, verified
+    return status, value, nr, nt, nw, nv, total_v, overflow, shadowed, writes, verified
 
 
 @njit(cache=True)
