@@ -75,3 +75,17 @@ def test_a_vnni_gather_is_mirrored_exactly(es: int, read: int) -> None:
     flat = cache.reshape(5, -1).numpy()
     np.testing.assert_array_equal(mirror.rows.numpy()[[4, 0, 2]], flat[[4, 0, 2]][:, gather])
     assert not mirror.rows.numpy()[[1, 3]].any()
+
+
+@given(st.lists(st.integers(0, 4095), min_size=1, max_size=64), st.sampled_from([1, 2, 4, 8]))
+@settings(max_examples=100, deadline=None)
+def test_prefetched_lines_cover_every_gathered_element_once(offsets: list[int], es: int) -> None:
+    """The gather's prefetch hints name each 64-byte line it reads, each once, by the offset
+    (in elements) of the line's first element."""
+    from kvcanary.adapters.vllm.mirror import _line_offsets
+
+    gather = np.array(offsets, dtype=np.int64)
+    lines = _line_offsets(gather, es)
+    assert len(set(lines.tolist())) == len(lines)
+    assert set((lines * es // 64).tolist()) == set((gather * es // 64).tolist())
+    assert ((lines * es) % 64 == 0).all()

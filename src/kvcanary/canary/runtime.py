@@ -18,7 +18,12 @@ from kvcanary.canary.errors import CanaryHealthError, CanaryViolationError
 from kvcanary.canary.fused import FusedForward, PackedForward
 from kvcanary.canary.incidents import IncidentCollector, PassRows
 from kvcanary.canary.kernels import KERNEL_IMPLEMENTATIONS
-from kvcanary.canary.monitors import HealthChecker, stats_line, warn_verify_overflow
+from kvcanary.canary.monitors import (
+    HEALTH_PERIOD,
+    HealthChecker,
+    stats_line,
+    warn_verify_overflow,
+)
 from kvcanary.canary.perturb_seam import BindsCanary, PerturbHooks, PerturbRecord
 from kvcanary.canary.plan import GroupPlan, ViewSnapshot, build_group_plan, snapshot_view
 from kvcanary.canary.ring import ViolationRing
@@ -231,10 +236,11 @@ class Canary:
         if isinstance(opened, PackedForward):
             assert self._fused is not None
             self._fused.tail(opened)
-            self._fused_stage_done(self._fused.tail_tag, opened)
+            if self._fused_stage_done(self._fused.tail_tag, opened):
+                self._pump()
         else:
             self._run_stage("tail", opened.snapshot, opened.plans)
-        self._pump()
+            self._pump()
         if self._perturb is not None:
             self._perturb.after_tail(view=view, step=self.step)
 
@@ -388,22 +394,27 @@ class Canary:
             self._open = _OpenForward(snap, plans)
         self._health.note_forward()
         try:
-            if fwd.staged:
-                assert self._fused is not None
-                self._fused_stage_done(self._fused.head_tag, fwd)
-            else:
+            if not fwd.staged:
                 self._run_stage("head", snap, plans)
-            self._pump()
+                self._pump()
+            else:
+                assert self._fused is not None
+                if self._fused_stage_done(self._fused.head_tag, fwd):
+                    self._pump()
         except CanaryViolationError:
             self._open = None  # the forward will not run
             raise
 
-    def _fused_stage_done(self, tag: LaunchTag, fwd: PackedForward) -> None:
-        """A fused stage's bookkeeping, as `_run_stage` keeps it for a fused serial launch."""
-        if self._pass_rows.state[0]:  # rows recorded (a clean pass takes nothing)
-            self.ring.absorb(self._pass_rows.take())
+    def _fused_stage_done(self, tag: LaunchTag, fwd: PackedForward) -> bool:
+        """A fused stage's bookkeeping, as `_run_stage` keeps it for a fused serial launch.
+        True when the pass recorded rows: only then has the ring anything to pump (every other
+        entry point pumps what it records before it returns)."""
         self.kernel_run_counter[tag] += 2  # a verify (or its overflow skip) and a write
         self.slot_run_counter[tag] += fwd.nv + fwd.writes
+        if not self._pass_rows.state[0]:
+            return False  # a clean pass: nothing to take
+        self.ring.absorb(self._pass_rows.take())
+        return True
 
     def _plan_group(self, g: GroupBuffers, snap: ViewSnapshot) -> GroupPlan:
         plan = build_group_plan(
@@ -561,8 +572,8 @@ class Canary:
             logger.warning("%s", v.message)
 
     def _check_health(self) -> None:
-        if not self._health.due(self.step):
-            return
+        if self.step % HEALTH_PERIOD or not self._health.due(self.step):
+            return  # (the first test skips the checker's call on all but one step in 100)
         expected = [
             t
             for t in self._active_tags

@@ -3,9 +3,14 @@
 The view builder reads three int64 prefixes a forward (input ids, positions, the layer's slot
 mapping), each a slice of a buffer the model runner allocates once. A torch slice and `.numpy()`
 cost about 2 µs each here; a cached NumPy view sliced in NumPy costs a tenth of that.
+`RunnerArrays` keeps every per-batch array the view builder reads, found once per input batch:
+after a model forward each attribute lookup through the runner's objects is a cache miss.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -38,3 +43,35 @@ class HostViews:
                 self._views.clear()
             view = self._views[key] = t.numpy()
         return view[:n]
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerArrays:
+    """The arrays of a vLLM model runner and its input batch that the worker reads every step,
+    looked up once (`of`). Each is a NumPy view of a buffer allocated once with its owner (the
+    runner, the input batch, block table 0), so the arrays stay right while `batch` is the
+    runner's input batch; `of` is called again when it is not."""
+
+    batch: Any  # the InputBatch these came from
+    block_table: Any  # its block table 0 (`slot_mapping.cpu` is the fallback slot mapping)
+    query_start_loc: npt.NDArray[np.int32]
+    table: npt.NDArray[np.int32]  # block ids, [max_num_reqs, max_blocks]
+    num_computed: npt.NDArray[np.int32]
+    num_prompt: npt.NDArray[np.int32]
+    input_ids: npt.NDArray[np.int32]  # the whole buffer (the step's prefix is cut later)
+    positions: npt.NDArray[np.int64]
+    token_ids: npt.NDArray[np.int32]  # [max_num_reqs, max_model_len]
+    num_tokens: npt.NDArray[np.int32]  # each row's tokens, speculative ones excluded
+
+    @classmethod
+    def of(cls, runner: Any) -> RunnerArrays:
+        """Look the arrays up through `runner` (vLLM 0.32's GPUModelRunner on CPU)."""
+        ib = runner.input_batch
+        bt = ib.block_table[0]
+        return cls(
+            batch=ib, block_table=bt, query_start_loc=runner.query_start_loc.np,
+            table=bt.block_table.np, num_computed=ib.num_computed_tokens_cpu,
+            num_prompt=ib.num_prompt_tokens, input_ids=runner.input_ids.cpu.numpy(),
+            positions=runner.positions.numpy(), token_ids=ib.token_ids_cpu,
+            num_tokens=ib.num_tokens_no_spec,
+        )  # fmt: skip

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvcanary.adapters.vllm.host_views import HostViews
+from kvcanary.adapters.vllm.host_views import HostViews, RunnerArrays
 from kvcanary.adapters.vllm.layout import (
     LayerSources,
     LayoutError,
@@ -113,6 +113,7 @@ class CanaryWorker:
         self._prep: StepPrep | None = None  # req_to_token kept across steps, wave test
         self._host = HostViews()  # NumPy views of the runner's input buffers, made once
         self._truth: TruthTable | None = None  # the runner's token table, as the last view read it
+        self._arrays: RunnerArrays | None = None  # the runner's arrays, found once per batch
         self.num_blocks = 0
         self._mirror: KvMirror | None = None  # the sources' mirror, if a layout needs one
         self._tail_blocks: np.ndarray | None = None  # blocks TAIL reads (set with a mirror)
@@ -305,39 +306,37 @@ class CanaryWorker:
     def _view(self, slot_mapping: Any) -> ForwardView | None:
         runner = self.runner
         ib = runner.input_batch
+        arrays = self._arrays
+        if arrays is None or arrays.batch is not ib:
+            arrays = self._arrays = RunnerArrays.of(runner)
         num_reqs = int(ib.num_reqs)
         if num_reqs == 0:
             return None
-        qsl = runner.query_start_loc.np
+        qsl = arrays.query_start_loc
         total = int(qsl[num_reqs])
         if total == 0:
             return None
-        bt = ib.block_table[0]
         mapping = None
         if isinstance(slot_mapping, dict) and slot_mapping:
             mapping = slot_mapping.get(self._layer0)
         if not isinstance(mapping, torch.Tensor):
-            mapping = bt.slot_mapping.cpu
+            mapping = arrays.block_table.slot_mapping.cpu
         truth = None
         if self.config.enable_verify_token_assert:
             # the persistent token table, read in place (the canary copies what it checks);
             # the same object while the batch keeps its size, so the view is reused too
             truth = self._truth
-            lens = ib.num_tokens_no_spec
-            if (truth is None or len(truth) != num_reqs or truth.tokens is not ib.token_ids_cpu
-                    or truth.lens.base is not lens):  # fmt: skip
-                truth = self._truth = TruthTable(ib.token_ids_cpu, lens[:num_reqs])
+            if truth is None or len(truth) != num_reqs or truth.tokens is not arrays.token_ids:
+                truth = self._truth = TruthTable(arrays.token_ids, arrays.num_tokens[:num_reqs])
         self.last_request_ids = ib.req_ids[:num_reqs]
-        table = bt.block_table.np
+        table = arrays.table
         if self._prep is None:
             self._prep = StepPrep(table, self.block_size, self.num_blocks)
-        host = self._host
         # one compiled call: batch shape, the view's int64 arrays, req_to_token, the wave test
         # (what `view.build_forward_view` builds, tests/adapters/test_vllm_incremental.py)
         view = self._prep.forward(
-            table, num_reqs, qsl, ib.num_computed_tokens_cpu, ib.num_prompt_tokens,
-            host.prefix(runner.input_ids.cpu, total), host.prefix(runner.positions, total),
-            host.prefix(mapping, total), truth,
+            table, num_reqs, qsl, arrays.num_computed, arrays.num_prompt, arrays.input_ids,
+            arrays.positions, self._host.prefix(mapping, total), truth, num_tokens=total,
         )  # fmt: skip
         self.chunked_prefill_rows += self._prep.chunked
         self._tail_blocks = self._prep.tail_blocks if self._mirror is not None else None

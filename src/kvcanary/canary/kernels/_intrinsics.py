@@ -81,6 +81,28 @@ def _prefetch_word(typingctx, words, row, col):  # type: ignore[no-untyped-def]
     return types.void(words, row, col), codegen
 
 
+@intrinsic
+def prefetch_element(typingctx, arr, i):  # type: ignore[no-untyped-def]
+    """Prefetch (for reading) the cache line holding `arr[i]` of a 1-D array; a hint that never
+    faults, whatever `i` is, and changes no result (the vLLM adapter's mirror gather)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        idx = context.cast(builder, args[1], signature.args[1], types.intp)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        ptr = cgutils.get_item_pointer(
+            context, builder, aryty, ary, [idx], wraparound=False, boundscheck=False
+        )
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, i), codegen
+
+
 @njit(cache=True)
 def splitmix64(x):  # type: ignore[no-untyped-def]
     x ^= x >> _S30

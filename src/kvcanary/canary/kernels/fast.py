@@ -31,7 +31,13 @@ loop) in a parallel function.
 
 from __future__ import annotations
 
-from kvcanary.canary.kernels._intrinsics import HEAD_HASH_U64, fold_sources, mix3, splitmix64
+from kvcanary.canary.kernels._intrinsics import (
+    HEAD_HASH_U64,
+    fold_sources,
+    mix3,
+    prefetch_element,
+    splitmix64,
+)
 from kvcanary.canary.kernels.fast_forward import forward_head, forward_tail, sweep_serial
 from kvcanary.canary.kernels.fast_plan import build_plan, build_plan_packed
 from kvcanary.canary.kernels.fast_stage import stage_serial
@@ -46,6 +52,7 @@ __all__ = [
     "forward_head",
     "forward_tail",
     "mix3",
+    "prefetch_element",
     "splitmix64",
     "stage_serial",
     "sweep_serial",
