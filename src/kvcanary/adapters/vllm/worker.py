@@ -239,8 +239,10 @@ class CanaryWorker:
             assert self._prep is not None
             self._waves = split_waves(view) if self._prep.cross else [view]
             self.split_forwards += len(self._waves) > 1
-            # HEAD folds no real KV: no re-gather
-            self._with_flips(self._tail_blocks, canary.pre_forward, view=self._waves[0])
+            if self._mirror is not None and canary.perturbed:  # HEAD folds no real KV: no re-gather
+                self._with_flips(self._tail_blocks, canary.pre_forward, view=self._waves[0])
+            else:
+                canary.pre_forward(view=self._waves[0])
         except Exception:
             self._waves = []
             raise
@@ -256,10 +258,14 @@ class CanaryWorker:
         waves, self._waves = self._waves, []
         try:
             mirror = self._mirror
+            flips = mirror is not None and canary.perturbed  # see `_with_flips`
             tail = self._tail_blocks  # set only when there is a mirror
             if tail is not None:
                 mirror.refresh(tail)  # what TAIL reads, at check time
-            self._with_flips(tail, self._tail_waves, waves=waves)
+            if flips:
+                self._with_flips(tail, self._tail_waves, waves=waves)
+            else:
+                self._tail_waves(waves)
             if self._runner_hooks is not None:
                 self._runner_hooks.after_forward(runner=self.runner, step=canary.step)
             swept = None
@@ -271,7 +277,10 @@ class CanaryWorker:
             sweeps = canary.sweep_passes
             walks = self.walker.walks
             try:
-                self._with_flips(swept, canary.end_step)
+                if flips:
+                    self._with_flips(swept, canary.end_step)
+                else:
+                    canary.end_step()
             finally:
                 self.walker.snapshot = None
                 self.figures.sweeps += int(
@@ -292,12 +301,12 @@ class CanaryWorker:
             canary.post_forward(view=later)
 
     def _with_flips(self, blocks: np.ndarray | None, fn: Any, **kwargs: Any) -> None:
-        """`fn(**kwargs)` (a canary call). Where a fault injector may flip bytes of mirrored
-        sources it runs inside `KvMirror.flips_written_back` over `blocks`, so the flips reach
-        the cache instead of being erased by the next re-gather; without an injector
-        (production) it is a plain call."""
+        """`fn(**kwargs)` (a canary call) while a fault injector is attached and the sources are
+        mirrored: inside `KvMirror.flips_written_back` over `blocks`, so an injector's flips of
+        mirrored bytes reach the cache instead of being erased by the next re-gather. The hooks
+        call the canary directly otherwise (production)."""
         mirror = self._mirror
-        if mirror is None or blocks is None or self.canary is None or not self.canary.perturbed:
+        if mirror is None or blocks is None:
             fn(**kwargs)
             return
         with mirror.flips_written_back(blocks):

@@ -24,6 +24,25 @@ _PREFETCH_AHEAD = 16  # entries: random rows are requested this far ahead of the
 internal = njit(cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 
 
+def _emit_prefetch(context, builder, signature, args, extra=(), rw=0):  # type: ignore[no-untyped-def]
+    """Emit `llvm.prefetch` (data cache, highest locality) of the element of the intrinsic's
+    array argument `args[0]` at its other arguments (cast to intp) followed by `extra`
+    (constant indices). Unchecked address arithmetic: a prefetch never faults."""
+    aryty = signature.args[0]
+    ary = context.make_array(aryty)(context, builder, args[0])
+    idx = [context.cast(builder, a, t, types.intp)
+           for a, t in zip(args[1:], signature.args[1:], strict=True)]  # fmt: skip
+    idx += [context.get_constant(types.intp, e) for e in extra]
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+    ptr = cgutils.get_item_pointer(
+        context, builder, aryty, ary, idx, wraparound=False, boundscheck=False
+    )
+    builder.call(fn, [builder.bitcast(ptr, i8p), i32(rw), i32(3), i32(1)])
+
+
 def _make_prefetch(rw: int):  # type: ignore[no-untyped-def]
     """An intrinsic `(words, row)` that prefetches the first and last word of `words[row]`.
 
@@ -34,19 +53,8 @@ def _make_prefetch(rw: int):  # type: ignore[no-untyped-def]
     @intrinsic
     def prefetch_row(typingctx, words, row):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            aryty = signature.args[0]
-            ary = context.make_array(aryty)(context, builder, args[0])
-            row = context.cast(builder, args[1], signature.args[1], types.intp)
-            i8p = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
             for col in (0, 3):
-                ptr = cgutils.get_item_pointer(
-                    context, builder, aryty, ary, [row, context.get_constant(types.intp, col)],
-                    wraparound=False, boundscheck=False,
-                )  # fmt: skip
-                builder.call(fn, [builder.bitcast(ptr, i8p), i32(rw), i32(3), i32(1)])
+                _emit_prefetch(context, builder, signature, args, (col,), rw)
             return context.get_dummy_value()
 
         return types.void(words, row), codegen
@@ -58,49 +66,23 @@ _prefetch_read = _make_prefetch(0)
 _prefetch_write = _make_prefetch(1)
 
 
+def _prefetch_read_at(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    _emit_prefetch(context, builder, signature, args)
+    return context.get_dummy_value()
+
+
 @intrinsic
 def _prefetch_word(typingctx, words, row, col):  # type: ignore[no-untyped-def]
     """Prefetch (for reading) the cache line holding `words[row, col]`; a hint that never
     faults, whatever `row` and `col` are, and changes no result."""
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        r = context.cast(builder, args[1], signature.args[1], types.intp)
-        c = context.cast(builder, args[2], signature.args[2], types.intp)
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        ptr = cgutils.get_item_pointer(
-            context, builder, aryty, ary, [r, c], wraparound=False, boundscheck=False
-        )
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return types.void(words, row, col), codegen
+    return types.void(words, row, col), _prefetch_read_at
 
 
 @intrinsic
 def prefetch_element(typingctx, arr, i):  # type: ignore[no-untyped-def]
     """Prefetch (for reading) the cache line holding `arr[i]` of a 1-D array; a hint that never
     faults, whatever `i` is, and changes no result (the vLLM adapter's mirror gather)."""
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        idx = context.cast(builder, args[1], signature.args[1], types.intp)
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        ptr = cgutils.get_item_pointer(
-            context, builder, aryty, ary, [idx], wraparound=False, boundscheck=False
-        )
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return types.void(arr, i), codegen
+    return types.void(arr, i), _prefetch_read_at
 
 
 @njit(cache=True)
