@@ -124,10 +124,6 @@ class FusedForward:
         self._tail_kernel = kernels.forward_tail
         self._sweep_kernel = kernels.sweep_serial
         self._group = group
-        self._lut = group.lut if group.lut is not None else np.zeros(0, dtype=np.int64)
-        self._window = _NO_WINDOW if group.window is None else group.window
-        self._caps = (capacities.write_req_capacity, capacities.write_entry_capacity)
-        self._verify_capacity = capacities.verify_capacity
         self._serial_limit = serial_limit
         self._token_check = token_check
         self._scratch = scratch
@@ -147,8 +143,11 @@ class FusedForward:
         # `forward_head`'s arguments between the view's and the chain-position flag, bound once
         # (the group, its buffers and the capacities are fixed for the install)
         self._head_plan = (
-            *self._caps, self._lut, group.lut is not None, self._window, group.num_slots,
-            group.offset, self._verify_capacity, group.write_marks, serial_limit,
+            capacities.write_req_capacity, capacities.write_entry_capacity,
+            group.lut if group.lut is not None else np.zeros(0, dtype=np.int64),
+            group.lut is not None, _NO_WINDOW if group.window is None else group.window,
+            group.num_slots, group.offset, capacities.verify_capacity, group.write_marks,
+            serial_limit,
         )  # fmt: skip
 
     def head(self, view: ForwardView, chain_position_enabled: bool) -> PackedForward | None:

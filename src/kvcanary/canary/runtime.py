@@ -18,12 +18,7 @@ from kvcanary.canary.errors import CanaryHealthError, CanaryViolationError
 from kvcanary.canary.fused import FusedForward, PackedForward
 from kvcanary.canary.incidents import IncidentCollector, PassRows
 from kvcanary.canary.kernels import KERNEL_IMPLEMENTATIONS
-from kvcanary.canary.monitors import (
-    HEALTH_PERIOD,
-    HealthChecker,
-    stats_line,
-    warn_verify_overflow,
-)
+from kvcanary.canary.monitors import HealthChecker, stats_line, warn_verify_overflow
 from kvcanary.canary.perturb_seam import BindsCanary, PerturbHooks, PerturbRecord
 from kvcanary.canary.plan import GroupPlan, ViewSnapshot, build_group_plan, snapshot_view
 from kvcanary.canary.ring import ViolationRing
@@ -572,8 +567,8 @@ class Canary:
             logger.warning("%s", v.message)
 
     def _check_health(self) -> None:
-        if self.step % HEALTH_PERIOD or not self._health.due(self.step):
-            return  # (the first test skips the checker's call on all but one step in 100)
+        if not self._health.due(self.step):
+            return
         expected = [
             t
             for t in self._active_tags

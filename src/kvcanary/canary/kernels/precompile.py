@@ -59,8 +59,8 @@ _SIGNATURES["stage_serial"] = (*_SIGNATURES["verify"][:5], _B, *_SIGNATURES["wri
 
 # the fused path (`canary.fused`): the packed buffer, the view's six arrays, the reference
 # engine's int32 table, no truth table (int64, empty), then capacities, the group and one launch
-# (`forward_head`); the packed plan's sizes and flags, then one launch (`forward_tail`). vLLM's int64 table and
-# int32 token table compile on its first forward (numba's disk cache keeps them).
+# (`forward_head`); the packed plan's sizes and flags, then one launch (`forward_tail`). vLLM's
+# int64 table and int32 token table compile on its first forward (numba's disk cache keeps them).
 _LAUNCH = (_U64_2D, *_SOURCES, *_RING)
 _SIGNATURES["forward_head"] = (
     *(_I64,) * 7, _I32_2D, _I64_2D, _I64, _B, _N, _N, _I64, _B, _N, _N, _N, _N, _I64, _N, _B,
