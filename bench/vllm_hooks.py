@@ -9,6 +9,7 @@ and `Canary.pre_forward`). The scheduler-side hooks (`build_connector_meta`, the
 are not in the canary's own time that `bench/vllm_overhead.py` reports.
 
     python bench/vllm_hooks.py [--kind decode|prefill] [--dtype bfloat16|float32] [--runs 4]
+                               [--hidden 256] [--layers 2]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 MAX_SEQS, MAX_MODEL_LEN = 16, 512
 
 
-def profiled_engine(dtype: str) -> Any:
+def profiled_engine(dtype: str, hidden: int = 256, layers: int = 2) -> Any:
     """The in-process `VllmEngine` these benches profile (also `bench/vllm_scaling.py`'s): the
     test suite's tiny Llama, block size 32, 480 blocks, 16 sequences, 512-token budget and
     context, the canary in `log` + real-data `partial` + sweep every 4 steps. Call it after the
@@ -35,8 +36,9 @@ def profiled_engine(dtype: str) -> Any:
     from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
     from kvcanary.app.vllm.model import TinyLlamaSpec, ensure_tiny_llama
 
-    spec = TinyLlamaSpec(hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    heads = hidden // 64  # head_dim 64, as bench/vllm_overhead.py's wider model
+    spec = TinyLlamaSpec(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))  # fmt: skip
     env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
     settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=MAX_SEQS,
                             max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN,
@@ -49,6 +51,8 @@ def main() -> int:
     ap.add_argument("--kind", default="decode", choices=["decode", "prefill"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256, help="model width (head_dim stays 64)")
+    ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -94,7 +98,7 @@ def main() -> int:
     wrap(connector, "snapshot_pool", "snapshot_pool (scheduler)")
     wrap(sweep.ParentLedger, "note_cached", "ParentLedger.note_cached (scheduler)")
 
-    engine = profiled_engine(args.dtype)
+    engine = profiled_engine(args.dtype, args.hidden, args.layers)
 
     def workload(seed: int) -> list[VllmRequest]:
         rng = random.Random(f"{args.kind}:{seed}")

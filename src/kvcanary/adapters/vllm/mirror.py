@@ -28,7 +28,7 @@ from kvcanary.canary.kernels.fast import prefetch_element
 
 __all__ = ["KvMirror"]
 
-
+_INT64 = np.dtype(np.int64)
 _AHEAD = 2  # blocks: a block's lines are requested this far ahead of its gather
 
 
@@ -123,10 +123,15 @@ class KvMirror:
         NumPy fancy indexing over one flat view (torch's 2-D advanced indexing is about 100x
         slower here)."""
         n = len(self._rows)
-        if self._kernel is not None:
-            idx = np.arange(n) if blocks is None else np.asarray(blocks, dtype=np.int64)
-            dst, src, stride, gather, lines = self._kernel
-            _gather_rows(dst, src, stride, gather, lines, idx)  # skips ids outside the cache
+        kernel = self._kernel
+        if kernel is not None:
+            if blocks is None:
+                idx = np.arange(n)
+            elif type(blocks) is np.ndarray and blocks.dtype == _INT64:
+                idx = blocks  # the adapter's own lists (no conversion call: cold after a forward)
+            else:
+                idx = np.asarray(blocks, dtype=np.int64)
+            _gather_rows(*kernel, idx)  # skips ids outside the cache
             return
         if blocks is None:
             idx = np.arange(n)

@@ -29,6 +29,7 @@ __all__ = ["BlockSnapshot", "LedgerEntry", "ParentLedger", "SnapshotWalker", "sn
 
 FIRST = -1  #: the block starts its sequence
 UNREACHABLE = -2  #: the parent was evicted or re-filled: the chain check is skipped
+_INT64 = np.dtype(np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +107,11 @@ def snapshot_pool(pool: Any, ledger: ParentLedger, block_size: int) -> BlockSnap
         out.append((block_id, e.index, parent, int(blk.ref_cnt > 0)))
     for block_id in gone:
         del ledger.entries[block_id]
+    # sorted here, not with NumPy: block ids are unique, so the tuples sort by id; each NumPy
+    # call after a model forward costs ~10 us of cold caches (argsort and the gather: ~20 us
+    # of a 50 us snapshot, measured in vLLM)
+    out.sort()
     rows = np.array(out, dtype=np.int64).reshape(-1, 4)
-    rows = rows[np.argsort(rows[:, 0], kind="stable")]
     return BlockSnapshot(rows=rows, block_size=block_size, skipped=skipped)
 
 
@@ -142,9 +146,10 @@ def expand(snapshot: BlockSnapshot, unlocked_only: bool = False) -> npt.NDArray[
     """The snapshot as canary walker entries, `[n, 3]` rows of `(slot, position, prev_slot)`:
     each block's slots in order, the first one linked to its parent block's last slot (-1 for
     a sequence's first block, 0 when the parent is unreachable)."""
-    out: npt.NDArray[np.int64] = _expand(
-        np.ascontiguousarray(snapshot.rows, dtype=np.int64), snapshot.block_size, unlocked_only
-    )
+    rows = snapshot.rows
+    if rows.dtype != _INT64:  # `snapshot_pool` builds int64 rows; anything else is converted
+        rows = rows.astype(np.int64)
+    out: npt.NDArray[np.int64] = _expand(rows, snapshot.block_size, unlocked_only)
     return out
 
 

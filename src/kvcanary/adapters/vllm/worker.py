@@ -52,7 +52,9 @@ class StepFigures:
     forwards: int = 0
     checks: int = 0
     sweeps: int = 0
-    violations: Counter[str] = field(default_factory=Counter)  # "TAG|reason" -> count
+    # "TAG|reason" -> count; a plain dict: a Counter's Python-level __init__ ran every step
+    # (`take_figures`) for a map that is empty on a clean step
+    violations: dict[str, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         """Nothing happened."""
@@ -372,11 +374,14 @@ class CanaryWorker:
             return
         from kvcanary.contract import fail_reason_labels, tag_name
 
+        counts = self.figures.violations
         for v in new:
             for reason in fail_reason_labels(v.fail_reason_bits) or ["none"]:
-                self.figures.violations[f"{tag_name(v.kernel_kind)}|{reason}"] += 1
+                key = f"{tag_name(v.kernel_kind)}|{reason}"
+                counts[key] = counts.get(key, 0) + 1
         for (tag, reason), n in beyond.items():
-            self.figures.violations[f"{tag}|{reason}"] += n
+            key = f"{tag}|{reason}"
+            counts[key] = counts.get(key, 0) + n
         self._dropped_seen = Counter(dropped)
         self.kept.extend(new)
         if len(self.kept) > KEPT_VIOLATIONS:
