@@ -63,6 +63,28 @@ def test_refresh_gathers_exactly_the_listed_blocks(seed: int, dtype: torch.dtype
     np.testing.assert_array_equal(mirror.rows.numpy(), flat[:, gather])
 
 
+@given(st.integers(0, 2**32 - 1), st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]))
+@settings(max_examples=60, deadline=None)
+def test_refresh_of_two_lists_gathers_exactly_their_union(seed: int, dtype: torch.dtype) -> None:
+    """`refresh(blocks, more)` (TAIL's blocks and a sweep's, in one call) leaves the rows that
+    `refresh(blocks)` then `refresh(more)` would: `more` a column of snapshot rows (strided),
+    ids outside the cache skipped, every other row untouched."""
+    rng = np.random.default_rng(seed)
+    cache = torch.from_numpy(rng.integers(0, 256, (9, 2, 4, 8), dtype=np.uint8)).view(dtype)
+    flat = cache.view(torch.uint8).reshape(9, -1).numpy()
+    gather = _gathers(rng, flat.shape[1], cache.element_size())
+    blocks = rng.integers(-2, 12, int(rng.integers(0, 6)))
+    snapshot_rows = rng.integers(-1, 12, (int(rng.integers(0, 6)), 4))
+    more = snapshot_rows[:, 0]
+    mirror = KvMirror(cache, gather)
+    mirror.refresh(blocks, more)
+    want = np.zeros((9, len(gather)), dtype=np.uint8)
+    ids = np.concatenate([blocks, more])
+    inside = ids[(ids >= 0) & (ids < 9)]
+    want[inside] = flat[inside][:, gather]
+    np.testing.assert_array_equal(mirror.rows.numpy(), want)
+
+
 @pytest.mark.parametrize(("es", "read"), [(2, 16), (2, 32), (4, 16)])
 def test_a_vnni_gather_is_mirrored_exactly(es: int, read: int) -> None:
     gather = _amx_like(heads=2, block=32, dim=64, es=es, read=read)

@@ -262,20 +262,24 @@ class CanaryWorker:
             mirror = self._mirror
             flips = mirror is not None and canary.perturbed  # see `_with_flips`
             tail = self._tail_blocks  # set only when there is a mirror
+            swept = None
+            if tail is not None and snapshot is not None and canary.sweep_due:
+                swept = snapshot.rows[:, 0]  # a snapshot names each block once
+            # Without an injector or runner hooks nothing writes KV between TAIL and the sweep,
+            # so the sweep's blocks are gathered with TAIL's, in the same call
+            early = swept is not None and not flips and self._runner_hooks is None
             if tail is not None:
-                mirror.refresh(tail)  # what TAIL reads, at check time
+                mirror.refresh(tail, swept if early else None)  # what TAIL reads, at check time
             if flips:
                 self._with_flips(tail, self._tail_waves, waves=waves)
             else:
                 self._tail_waves(waves)
             if self._runner_hooks is not None:
                 self._runner_hooks.after_forward(runner=self.runner, step=canary.step)
-            swept = None
             if snapshot is not None:
                 self.walker.snapshot = snapshot
-                if mirror is not None and canary.sweep_due:
-                    swept = snapshot.rows[:, 0]
-                    mirror.refresh(swept)  # a snapshot names each block once
+                if swept is not None and not early:
+                    mirror.refresh(swept)  # after the hooks: the bytes the sweep reads
             sweeps = canary.sweep_passes
             walks = self.walker.walks
             try:
