@@ -28,17 +28,27 @@ from typing import Any
 MAX_SEQS, MAX_MODEL_LEN = 16, 512
 
 
+def model_spec(hidden: int = 256, layers: int = 2) -> Any:
+    """The vLLM benches' Llama (`TinyLlamaSpec`) of width `hidden` and `layers` layers: head_dim
+    64, half as many KV heads as heads, an MLP 4x wide. The defaults are the test suite's tiny
+    model; `--hidden 1024 --layers 8` the wider one."""
+    from kvcanary.app.vllm.model import TinyLlamaSpec
+
+    heads = hidden // 64
+    return TinyLlamaSpec(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))  # fmt: skip
+
+
 def profiled_engine(dtype: str, hidden: int = 256, layers: int = 2) -> Any:
     """The in-process `VllmEngine` these benches profile (also `bench/vllm_scaling.py`'s): the
-    test suite's tiny Llama, block size 32, 480 blocks, 16 sequences, 512-token budget and
-    context, the canary in `log` + real-data `partial` + sweep every 4 steps. Call it after the
-    environment defaults are set (vLLM reads them at import)."""
+    `model_spec(hidden, layers)` Llama (the test suite's tiny one by default), block size 32, 480
+    blocks, 16 sequences, 512-token budget and context, the canary in `log` + real-data
+    `partial` + sweep every 4 steps. Call it after the environment defaults are set (vLLM reads
+    them at import)."""
     from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
-    from kvcanary.app.vllm.model import TinyLlamaSpec, ensure_tiny_llama
+    from kvcanary.app.vllm.model import ensure_tiny_llama
 
-    heads = hidden // 64  # head_dim 64, as bench/vllm_overhead.py's wider model
-    spec = TinyLlamaSpec(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))  # fmt: skip
+    spec = model_spec(hidden, layers)
     env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
     settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=MAX_SEQS,
                             max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN,

@@ -35,6 +35,8 @@ import random
 import statistics
 import sys
 
+from vllm_hooks import model_spec  # bench/vllm_hooks.py: the benches' Llama, by width and depth
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,18 +58,15 @@ def main() -> int:
 
     from kvcanary.adapters.vllm.state import STATE
     from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
-    from kvcanary.app.vllm.model import TinyLlamaSpec, ensure_tiny_llama
+    from kvcanary.app.vllm.model import ensure_tiny_llama
     from kvcanary.app.vllm.workload import VllmRequest
 
-    heads = args.hidden // 64
-    model_spec = TinyLlamaSpec(
-        hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-    )  # fmt: skip
+    spec = model_spec(args.hidden, args.layers)
+    heads = spec.num_attention_heads
     env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
     blocks_needed = args.prefill_requests * (args.prompt_len // 32 + 2)
     settings = VllmSettings(
-        model=ensure_tiny_llama(model_spec), kv_blocks=max(64, blocks_needed), max_num_seqs=16,
+        model=ensure_tiny_llama(spec), kv_blocks=max(64, blocks_needed), max_num_seqs=16,
         max_num_batched_tokens=512, max_model_len=max(512, args.prompt_len + 128),
         dtype=args.dtype,
     )  # fmt: skip
