@@ -4,7 +4,8 @@ entries, then record violations in plan order by a serial pass (SPEC §5).
 Performance (bench/kernels.py): verify prefetches record rows ahead (random slot orders are
 otherwise DRAM-latency bound). Without real-KV sources, runs of consecutive slots are checked by a
 vectorized loop with unit-stride row loads and other entries by a vectorized loop with gathers
-(random verify 2.4-2.7x -> 2.0-2.2x its floor, 2 threads). With sources of one page geometry
+(random verify 2.4-2.7x -> 2.0-2.2x its floor, 2 threads), with 512-bit vectors where the CPU
+has AVX-512 (`wide_vectors`: 2.3x -> 1.8x on an Emerald Rapids). With sources of one page geometry
 (the common case) a vectorized loop with gathers folds them (64-bit multiplies in vector units:
 a vLLM decode TAIL verify, 1008 entries over four sources, 65 -> ~10 us); with sources of
 several geometries, four entries per step in branch-free code, so their chains overlap.
@@ -27,6 +28,7 @@ from kvcanary.canary.kernels._intrinsics import (
     prefetch_sources,
     prefetch_uniform,
     splitmix64,
+    wide_vectors,
 )
 
 _FOLD_AHEAD = 32  # entries: real-KV tiles are requested this far ahead of their fold
@@ -123,8 +125,10 @@ def _flat_rows_impl(buf):  # type: ignore[no-untyped-def]
 
 @internal
 def _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi):  # type: ignore[no-untyped-def]
-    """(bad entries, 0) of entries `lo:hi` when their slots run consecutively from `v_slot[lo]`
-    and each prev is 0, -1 or the slot before; (-, > 0) when that assumption fails somewhere.
+    """0 when entries `lo:hi` are all clean, their slots run consecutively from `v_slot[lo]` and
+    each prev is 0, -1 or the slot before; else the number of entries that are bad or break
+    that assumption (the caller then counts the chunk again by `_plain_lanes`: a violation, or a
+    chunk that is not a run, takes the slower path; a clean run never does).
 
     Rows are then contiguous and each entry's chain input is the row just before its own, so this
     loop needs no per-entry select of the chain row, no prefetch test and no slot-0 test; it is
@@ -132,31 +136,33 @@ def _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi):  # type: ignore[no-un
     unit-stride rather than gathers: the plan arrays are sliced to `lo:hi` and indexed by the
     (provably non-negative) loop counter, so numba emits no negative-index wraparound; and the
     `shape[1] == 4` test tells LLVM the row stride, so it loads the 32-byte rows whole and
-    shuffles the words apart (it cannot know a numba array's inner extent otherwise).
+    shuffles the words apart (it cannot know a numba array's inner extent otherwise). One count
+    for both tests: a second accumulator cost ~5 % of the loop (bench/kernels.py, sequential).
     Reads only rows `v_slot[lo] - 1 .. v_slot[hi - 1]`, which the caller checks are in `buf`.
     """
+    wide_vectors()
     if buf.shape[1] != 4:
-        return 0, 1  # not a record buffer layout this loop is written for: checked per entry
+        return 1  # not a record buffer layout this loop is written for: checked per entry
     first = v_slot[lo]
     rows = buf[first - 1 : first + hi - lo]
     slots, prevs, poss, toks = v_slot[lo:hi], v_prev[lo:hi], v_pos[lo:hi], v_tok[lo:hi]
     nb = 0
-    nmis = 0
     for k in range(hi - lo):
         p = prevs[k]
         t = toks[k]
         h = mix3(rows[k, 2], rows[k, 0], rows[k, 1])
         exp_chain = HEAD_HASH_U64 if p == -1 else h
+        slot = first + k
         ok = (
             ((p == 0) | (rows[k + 1, 2] == exp_chain))
             & (rows[k + 1, 1] == uint64(poss[k]))
             & (rows[k + 1, 3] == uint64(0))
             & ((t == -1) | (rows[k + 1, 0] == uint64(t)))
+            & (slots[k] == slot)
+            & ((p == 0) | (p == -1) | (p == slot - 1))
         )
         nb += 0 if ok else 1
-        slot = first + k
-        nmis += 0 if (slots[k] == slot) & ((p == 0) | (p == -1) | (p == slot - 1)) else 1
-    return nb, nmis
+    return nb
 
 
 @internal
@@ -179,6 +185,7 @@ def _plain_lanes(buf, slots, prevs, poss, toks):  # type: ignore[no-untyped-def]
     Each entry loads its chain input row (`_chain_input`) and its own row; rows are indexed
     with unsigned integers so numba emits no negative-index wraparound (every slot and prev is
     range-checked before a kernel runs, SPEC §14.2). Same bits as `_entry_bad`."""
+    wide_vectors()
     nb = 0
     flat = _flat_rows(buf)
     for k in range(slots.shape[0]):
@@ -199,7 +206,8 @@ def _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c):  # type: ignore[no-untyp
     """Entries with a violation in chunk `c` (`_CHUNK` entries), no real-KV sources (fold 0).
 
     A chunk whose slots run consecutively (chains over contiguous rows) goes through
-    `_plain_run`, vectorized with unit-stride loads. Any other chunk first requests the rows of
+    `_plain_run`, vectorized with unit-stride loads, and is done when that finds it clean. Any
+    other chunk (or one with a violation) first requests the rows of
     the next chunk (random rows are otherwise one DRAM latency each; the next chunk is usually
     this thread's next one, prange hands each thread a contiguous range) and is then checked by
     `_plain_lanes`, vectorized with gathers.
@@ -209,15 +217,12 @@ def _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c):  # type: ignore[no-untyp
     hi = min(lo + _CHUNK, n)
     first = v_slot[lo]
     last = v_slot[hi - 1]
-    nb = 0
-    nmis = 1
-    if (first >= 1) & (last - first == hi - 1 - lo) & (last < buf.shape[0]):
-        nb, nmis = _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi)
-    if nmis != 0:
-        for j in range(hi, min(hi + _CHUNK, n)):
-            _prefetch_entry(buf, v_slot, j, n)
-        nb = _plain_lanes(buf, v_slot[lo:hi], v_prev[lo:hi], v_pos[lo:hi], v_tok[lo:hi])
-    return nb
+    in_buf = (first >= 1) & (last - first == hi - 1 - lo) & (last < buf.shape[0])
+    if in_buf and _plain_run(buf, v_slot, v_prev, v_pos, v_tok, lo, hi) == 0:
+        return 0
+    for j in range(hi, min(hi + _CHUNK, n)):
+        _prefetch_entry(buf, v_slot, j, n)
+    return _plain_lanes(buf, v_slot[lo:hi], v_prev[lo:hi], v_pos[lo:hi], v_tok[lo:hi])
 
 
 #: int64 mask that proves an index non-negative to LLVM: numba wraps negative indices, and that
@@ -240,6 +245,7 @@ def _folded_lanes(  # type: ignore[no-untyped-def]
     (AVX-512: eight entries per lane group, the 64-bit multiplies of splitmix in vector units).
     Same bits as `_entry_bad` with `fold_uniform`; the caller passes `count` as a literal so each
     copy has its sources fixed (a run-time count inside the loop keeps it scalar)."""
+    wide_vectors()
     nb = 0
     flat = _flat_rows(buf)
     mask = page - 1
