@@ -31,11 +31,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import llvmlite.binding as llvm
 import numba
 import numpy as np
 from numba import njit, prange, uint64
 
 from kvcanary.canary.kernels import fast
+from kvcanary.canary.kernels._intrinsics import wide_vectors_wanted
 from kvcanary.canary.sources import FoldSources
 
 TARGET = 2.0
@@ -176,7 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         "floors: numba parallel prange gather (verify) / scatter (write) of the same 32-byte rows "
         "in the same order\n        (sequential: numpy.copyto of N*32 bytes shown for reference)"
     )
-    results: dict[str, Any] = {"threads": threads, "slots": n, "requests": args.requests}
+    cpu = numba.config.CPU_NAME or llvm.get_host_cpu_name()
+    avx512 = bool(llvm.get_host_cpu_features().get("avx512dq", False))
+    wide = avx512 and wide_vectors_wanted()
+    print(f"CPU (LLVM): {cpu}, AVX-512 {'yes' if avx512 else 'no'}; the verify loops use "
+          f"{'512' if wide else '256'}-bit vectors")  # fmt: skip
+    results: dict[str, Any] = {"threads": threads, "slots": n, "requests": args.requests,
+                               "cpu": cpu, "avx512": avx512, "wide_vectors": wide}  # fmt: skip
     rows = []
     all_pass = True
     for name, order in orders.items():

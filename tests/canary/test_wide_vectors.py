@@ -42,7 +42,7 @@ def test_marked_loop_asks_for_512_bit_vectors_where_wanted() -> None:
     with np.errstate(over="ignore"):  # the interpreted loop warns where uint64 wraps
         expected = _plain(rows)
     assert plain(rows) == marked(rows) == expected
-    wanted = _intrinsics._wide_vectors_wanted()
+    wanted = _intrinsics.wide_vectors_wanted()
     ir = "".join(marked.inspect_llvm().values())
     assert ('"prefer-vector-width"="512"' in ir) == wanted
     assert '"prefer-vector-width"' not in "".join(plain.inspect_llvm().values())
@@ -55,10 +55,10 @@ def test_marked_loop_asks_for_512_bit_vectors_where_wanted() -> None:
 @pytest.mark.parametrize("cpu", ["skylake-avx512", "cascadelake", "cooperlake"])
 def test_throttling_cpus_keep_256_bit(cpu: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_intrinsics.numba_config, "CPU_NAME", cpu)
-    assert not _intrinsics._wide_vectors_wanted()
+    assert not _intrinsics.wide_vectors_wanted()
 
 
 @pytest.mark.parametrize("cpu", ["sapphirerapids", "emeraldrapids", "znver4", "icelake-server"])
 def test_other_cpus_ask_for_512_bit(cpu: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_intrinsics.numba_config, "CPU_NAME", cpu)
-    assert _intrinsics._wide_vectors_wanted()
+    assert _intrinsics.wide_vectors_wanted()

@@ -93,7 +93,7 @@ def prefetch_element(typingctx, arr, i):  # type: ignore[no-untyped-def]
 _THROTTLING_AVX512 = frozenset({"skylake-avx512", "cascadelake", "cooperlake"})
 
 
-def _wide_vectors_wanted() -> bool:
+def wide_vectors_wanted() -> bool:
     """Whether the kernels' vectorized loops ask LLVM for 512-bit vectors on this CPU (the
     target numba compiles for: `NUMBA_CPU_NAME`, else the host)."""
     return (numba_config.CPU_NAME or llvm.get_host_cpu_name()) not in _THROTTLING_AVX512
@@ -112,7 +112,7 @@ def wide_vectors(typingctx):  # type: ignore[no-untyped-def]
     travels with the function into the kernel LLVM inlines it into. Emits no instruction."""
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        if _wide_vectors_wanted():
+        if wide_vectors_wanted():
             # llvmlite's attribute set accepts only enum attributes through `add`; a string
             # attribute is rendered as written
             set.add(builder.function.attributes, '"prefer-vector-width"="512"')
