@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcanary.adapters.vllm.sweep import (
+    _SORT_IN_PYTHON,
     BlockSnapshot,
     ParentLedger,
     SnapshotWalker,
@@ -190,6 +192,30 @@ def test_the_snapshot_reads_only_the_ledger_and_equals_a_scan_of_the_whole_pool(
         snap = snapshot_pool(guarded, ledger, 2)
         assert [tuple(r) for r in snap.rows.tolist()] == want_rows
         assert snap.skipped == want_skipped
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_large_snapshot_is_ordered_by_numpy_and_equals_a_scan(seed: int) -> None:
+    """Past `_SORT_IN_PYTHON` blocks the snapshot is ordered by NumPy: still in block-id
+    order, still equal to a scan of every block (sequences cached in shuffled id order, some
+    evicted, some re-filled, some held)."""
+    rng = np.random.default_rng(seed)
+    n = 400
+    pool, ledger = _Pool(n), ParentLedger()
+    ids = rng.permutation(np.arange(1, n))
+    for k, seq_ids in enumerate(np.array_split(ids, 40)):
+        seq = [pool.blocks[int(i)] for i in seq_ids]
+        for j, blk in enumerate(seq):
+            blk.block_hash = f"h{k}.{j}"
+            blk.ref_cnt = int(rng.integers(0, 2))
+        ledger.note_cached(seq, int(rng.integers(0, 3)), len(seq))
+    for i in rng.choice(ids, 60, replace=False):
+        pool.blocks[int(i)].block_hash = None if rng.random() < 0.5 else f"x{i}"
+    want_rows, want_skipped = _full_scan(pool, ledger)
+    assert len(want_rows) > _SORT_IN_PYTHON
+    snap = snapshot_pool(pool, ledger, 2)
+    assert [tuple(r) for r in snap.rows.tolist()] == want_rows
+    assert snap.skipped == want_skipped
 
 
 @settings(max_examples=200, deadline=None)
