@@ -6,7 +6,10 @@ workload after a warm-up run; every hook below is wrapped with a timer for the r
 wrappers add about a microsecond per call, so the figures are a little high; nested calls are
 each counted in their own line (`start_load_kv` holds `before_forward`, which holds `_view`
 and `Canary.pre_forward`). The scheduler-side hooks (`build_connector_meta`, the pool snapshot)
-are not in the canary's own time that `bench/vllm_overhead.py` reports.
+are not in the canary's own time that `bench/vllm_overhead.py` reports. The `compiled ...`
+lines time the numba calls the hooks make from Python (`FusedForward`'s HEAD and TAIL kernels,
+the small sweep, `StepPrep`'s pass and the mirror's two-list gather); a hook's time beyond its
+compiled calls is Python.
 
     python bench/vllm_hooks.py [--kind decode|prefill] [--dtype bfloat16|float32] [--runs 4]
                                [--hidden 256] [--layers 2]
@@ -106,6 +109,16 @@ def main() -> int:
     for owner, name in hooks:
         wrap(owner, name, f"{owner.__name__}.{name}")
     wrap(connector, "snapshot_pool", "snapshot_pool (scheduler)")
+    # compiled calls made from Python only (a kernel another numba function calls cannot be
+    # wrapped: numba would try to compile the wrapper into its caller); `FusedForward` binds
+    # the kernels when the canary installs, after this
+    from kvcanary.adapters.vllm import mirror
+    from kvcanary.canary.kernels import fast
+
+    for name in ("forward_head", "forward_tail", "sweep_serial"):
+        wrap(fast, name, f"compiled {name}")
+    wrap(prep, "_forward", "compiled StepPrep pass")
+    wrap(mirror, "_gather_two", "compiled mirror gather, two lists")
     wrap(sweep.ParentLedger, "note_cached", "ParentLedger.note_cached (scheduler)")
 
     engine = profiled_engine(args.dtype, args.hidden, args.layers)
