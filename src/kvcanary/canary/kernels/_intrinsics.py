@@ -107,9 +107,10 @@ def wide_vectors(typingctx):  # type: ignore[no-untyped-def]
     even where AVX-512 is there; the verify loops are bound by mix3's 64-bit multiplies
     (`vpmullq`), which take about as many cycles at 512 bits as at 256, so 512-bit lanes run
     the hash at ~1.4x the rate (bench/kernels.py, 2 threads of an Emerald Rapids: random
-    verify 2.31x -> 1.81x its floor, sequential 2.86x -> 2.15x). Without AVX-512 the widest legal vector stays 256 bits and the
-    attribute changes nothing; on CPUs in `_THROTTLING_AVX512` it is not set. The attribute
-    travels with the function into the kernel LLVM inlines it into. Emits no instruction."""
+    verify 2.31x -> 1.81x its floor, sequential 2.86x -> 2.15x). Without AVX-512 the widest
+    legal vector stays 256 bits and the attribute changes nothing; on CPUs in
+    `_THROTTLING_AVX512` it is not set. The attribute travels with the function into the
+    kernel LLVM inlines it into. Emits no instruction."""
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         if wide_vectors_wanted():

@@ -207,10 +207,10 @@ def _plain_chunk(buf, v_slot, v_prev, v_pos, v_tok, c):  # type: ignore[no-untyp
 
     A chunk whose slots run consecutively (chains over contiguous rows) goes through
     `_plain_run`, vectorized with unit-stride loads, and is done when that finds it clean. Any
-    other chunk (or one with a violation) first requests the rows of
-    the next chunk (random rows are otherwise one DRAM latency each; the next chunk is usually
-    this thread's next one, prange hands each thread a contiguous range) and is then checked by
-    `_plain_lanes`, vectorized with gathers.
+    other chunk (or one with a violation) first requests the rows of the next chunk (random rows
+    are otherwise one DRAM latency each; the next chunk is usually this thread's next one,
+    prange hands each thread a contiguous range) and is then checked by `_plain_lanes`,
+    vectorized with gathers.
     """
     n = v_slot.shape[0]
     lo = c * _CHUNK
