@@ -2,8 +2,10 @@
 serial replay in plan order (SPEC §5).
 
 Performance (bench/kernels.py): write interleaves up to four requests' chains per task (each
-chain is a serial mix3 dependency, so the CPU overlaps them), and without real-KV sources or
-write assert advances them in lockstep, prefetching only when some chain's slots are scattered.
+chain is a serial mix3 dependency, so the CPU overlaps them), and without write assert
+advances them in lockstep, prefetching only when some chain's slots are scattered; with real-KV
+sources each task first folds its requests' entries in a vectorized loop (`fold_slots`) and the
+chains store those folds.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvcanary.canary.kernels.fast_write_lanes import (
     _plain_step,
     _write_bits,
     _write_step,
+    fold_slots,
 )
 
 _LANES = 4  # independent request chains interleaved per write task (hides mix3 latency)
@@ -48,10 +51,11 @@ def _write_tasks(nreq):  # type: ignore[no-untyped-def]
 @internal
 def _plain_task(  # type: ignore[no-untyped-def]
     buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash, start_pos,
-    g, ntasks, bad,
+    g, ntasks, bad, folds,
 ):  # fmt: skip
-    """Task `g` of `write`'s parallel loop without real-KV sources or write assert: sets `bad[r]` for its
-    requests (a chain-position violation needs ring rows).
+    """Task `g` of `write`'s parallel loop without write assert: sets `bad[r]` for its requests (a
+    chain-position violation needs ring rows). Each record's fold is `folds[i]` (computed
+    before, `fold_slots`), or 0 when `folds` is empty (no real-KV sources).
 
     Like `_folded_task`, but while all four lanes have entries left they advance in lockstep with
     no end-of-lane tests (`_lockstep`), prefetching rows only when some lane's slots are not
@@ -91,19 +95,19 @@ def _plain_task(  # type: ignore[no-untyped-def]
         # One loop per (prefetch, track) pair: the flags are constants in each.
         if streamed and not track:
             run, pp, b = _lockstep(
-                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, False
+                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, False, folds
             )
         elif streamed:
             run, pp, b = _lockstep(
-                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, True
+                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, False, True, folds
             )
         elif not track:
             run, pp, b = _lockstep(
-                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, False
+                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, False, folds
             )
         else:
             run, pp, b = _lockstep(
-                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, True
+                buf, w_slots, input_ids, positions, idx, n, run, pp, dp, last, True, True, folds
             )
         run0, run1, run2, run3 = run
         pp0, pp1, pp2, pp3 = pp
@@ -114,28 +118,28 @@ def _plain_task(  # type: ignore[no-untyped-def]
         if i0 < e0:
             run0, pp0, x = _plain_step(
                 buf, uint64(i0), run0, pp0, dp0, w_slots, input_ids, positions, True,
-                last,
+                last, folds,
             )  # fmt: skip
             b0 |= x
             i0 += 1
         if i1 < e1:
             run1, pp1, x = _plain_step(
                 buf, uint64(i1), run1, pp1, dp1, w_slots, input_ids, positions, True,
-                last,
+                last, folds,
             )  # fmt: skip
             b1 |= x
             i1 += 1
         if i2 < e2:
             run2, pp2, x = _plain_step(
                 buf, uint64(i2), run2, pp2, dp2, w_slots, input_ids, positions, True,
-                last,
+                last, folds,
             )  # fmt: skip
             b2 |= x
             i2 += 1
         if i3 < e3:
             run3, pp3, x = _plain_step(
                 buf, uint64(i3), run3, pp3, dp3, w_slots, input_ids, positions, True,
-                last,
+                last, folds,
             )  # fmt: skip
             b3 |= x
             i3 += 1
@@ -233,19 +237,33 @@ def _chain_starts(buf, seeds):  # type: ignore[no-untyped-def]
 @internal
 def _task(  # type: ignore[no-untyped-def]
     buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
-    chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos, g, ntasks, bad,
+    chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos, g, ntasks, bad, folds,
 ):  # fmt: skip
-    """Task `g` of `ntasks`: `_plain_task` (no sources, no write assert) or `_folded_task`."""
-    if count == 0 and not do_assert:
+    """Task `g` of `ntasks`: without write assert, the folds of its requests' entries (into
+    `folds`, sized by `_fold_buffer`), then `_plain_task`; with it, `_folded_task`."""
+    if not do_assert:
+        if count != 0:
+            nreq = seeds.shape[0]
+            for r in range(g, nreq, ntasks):  # the task's lanes: g, g + ntasks, ...
+                lo, hi = req_offsets[r], req_offsets[r + 1]
+                fold_slots(w_slots[lo:hi], folds[lo:hi], s0, s1, s2, s3, params, count)
         _plain_task(
             buf, seeds, req_offsets, w_slots, input_ids, positions, chain_position, start_hash,
-            start_pos, g, ntasks, bad,
+            start_pos, g, ntasks, bad, folds,
         )  # fmt: skip
     else:
         _folded_task(
             buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
             chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos, g, ntasks, bad,
         )  # fmt: skip
+
+
+@internal
+def _fold_buffer(w_slots, count, do_assert):  # type: ignore[no-untyped-def]
+    """The per-entry folds `_task` fills before the chains store them (real-KV sources, no write
+    assert), else an empty array (`_plain_step` stores fold 0, `_folded_task` folds in place)."""
+    n = w_slots.shape[0] if count != 0 and not do_assert else 0
+    return np.empty(n, dtype=np.uint64)
 
 
 @internal
@@ -299,6 +317,7 @@ def write(  # type: ignore[no-untyped-def]
         # both task kinds: each costs numba ~2 s to compile, whatever its body.
         nreq = seeds.shape[0]
         bad = np.empty(nreq, dtype=np.bool_)  # every request's entry is set by its task
+        folds = _fold_buffer(w_slots, count, do_assert)  # each task fills its requests' entries
         ntasks = _write_tasks(nreq)
         for task in prange(ntasks):
             # numba types the loop index int64, then uint64 in the parallel body it compiles:
@@ -307,7 +326,7 @@ def write(  # type: ignore[no-untyped-def]
             _task(
                 buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok,
                 exp_pos, chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
-                g, ntasks, bad,
+                g, ntasks, bad, folds,
             )  # fmt: skip
     _replay_bad(
         seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
@@ -330,12 +349,13 @@ def write_serial(  # type: ignore[no-untyped-def]
     else:
         nreq = seeds.shape[0]
         bad = np.empty(nreq, dtype=np.bool_)
+        folds = _fold_buffer(w_slots, count, do_assert)
         ntasks = (nreq + _LANES - 1) // _LANES  # four chains per task, interleaved
         for g in range(ntasks):
             _task(
                 buf, seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok,
                 exp_pos, chain_position, s0, s1, s2, s3, params, count, start_hash, start_pos,
-                g, ntasks, bad,
+                g, ntasks, bad, folds,
             )  # fmt: skip
     _replay_bad(
         seeds, req_offsets, w_slots, input_ids, positions, do_assert, exp_tok, exp_pos,
