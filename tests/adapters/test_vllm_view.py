@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvcanary.adapters.vllm.sweep import (
     _SORT_IN_PYTHON,
     BlockSnapshot,
+    LedgerEntry,
     ParentLedger,
     SnapshotWalker,
     expand,
@@ -145,7 +146,8 @@ def _full_scan(pool: _Pool, ledger: ParentLedger) -> tuple[list[tuple[int, ...]]
     for blk in pool.blocks:
         if blk.block_hash is None or blk.is_null:
             continue
-        e = ledger.entries.get(blk.block_id)
+        got = ledger.entries.get(blk.block_id)
+        e = None if got is None else LedgerEntry(*got)
         if e is None or e.block_hash != blk.block_hash:
             skipped += e is not None
             continue

@@ -329,8 +329,8 @@ class SchedulerRecovery:
 def _descendants(ledger: Any, roots: set[int]) -> set[int]:
     """Blocks cached (per the ledger) below any of `roots`."""
     children: dict[int, list[int]] = {}
-    for block_id, entry in ledger.entries.items():
-        children.setdefault(int(entry.parent_id), []).append(int(block_id))
+    for block_id, (_, _, parent_id, _) in ledger.entries.items():
+        children.setdefault(int(parent_id), []).append(int(block_id))
     out: set[int] = set()
     todo = list(roots)
     while todo:
