@@ -237,23 +237,6 @@ def _pair_at(words, row, col):  # type: ignore[no-untyped-def]
 
 
 @internal
-def lane_fold(s, s0, s1, s2, s3, count, mask, shift, w0, w1, w2, w3):  # type: ignore[no-untyped-def]
-    """`fold_uniform` of slot `s` (>= 0) in a form the lanes loops vectorize (`_folded_lanes`,
-    `fast_write_lanes._fold_lanes`): indices proven non-negative, `count` a literal at each
-    caller, `mask` the page size minus one."""
-    row = (s >> shift) & _NONNEG
-    lo = s & mask
-    fold = splitmix64(_pair_at(s0, row, (lo * w0) & _NONNEG))
-    if count > 1:
-        fold = splitmix64(fold ^ _pair_at(s1, row, (lo * w1) & _NONNEG))
-    if count > 2:
-        fold = splitmix64(fold ^ _pair_at(s2, row, (lo * w2) & _NONNEG))
-    if count > 3:
-        fold = splitmix64(fold ^ _pair_at(s3, row, (lo * w3) & _NONNEG))
-    return fold
-
-
-@internal
 def _folded_lanes(  # type: ignore[no-untyped-def]
     buf, slots, prevs, poss, toks, s0, s1, s2, s3, count, page, shift, w0, w1, w2, w3,
 ):  # fmt: skip
@@ -269,7 +252,15 @@ def _folded_lanes(  # type: ignore[no-untyped-def]
     for k in range(slots.shape[0]):
         s, p, t = slots[k], prevs[k], toks[k]
         u, exp_chain = _row_and_chain(flat, s, p)
-        fold = lane_fold(s, s0, s1, s2, s3, count, mask, shift, w0, w1, w2, w3)
+        row = (s >> shift) & _NONNEG
+        lo = s & mask
+        fold = splitmix64(_pair_at(s0, row, (lo * w0) & _NONNEG))
+        if count > 1:
+            fold = splitmix64(fold ^ _pair_at(s1, row, (lo * w1) & _NONNEG))
+        if count > 2:
+            fold = splitmix64(fold ^ _pair_at(s2, row, (lo * w2) & _NONNEG))
+        if count > 3:
+            fold = splitmix64(fold ^ _pair_at(s3, row, (lo * w3) & _NONNEG))
         ok = (
             ((p == 0) | (flat[u + uint64(2)] == exp_chain))
             & (flat[u + uint64(1)] == uint64(poss[k]))
