@@ -26,6 +26,7 @@ from kvcanary.canary.kernels._intrinsics import (
     splitmix64,
     wide_vectors,
 )
+from kvcanary.canary.kernels.fast_verify import _NONNEG, _pair_at
 
 _CHAIN_POSITION_FLAG = 64  # internal: the chain-position row of SPEC §5.2 (reported as bit 16)
 
@@ -175,16 +176,6 @@ def _chains_in_order(  # type: ignore[no-untyped-def]
     return bad
 
 
-#: int64 mask that proves an index non-negative to LLVM (see `fast_verify._NONNEG`)
-_NONNEG = np.int64(0x7FFF_FFFF_FFFF_FFFF)
-
-
-@internal
-def _pair(words, row, col):  # type: ignore[no-untyped-def]
-    """`_intrinsics._fold_pair` of the tile at (row, col), both known non-negative."""
-    return splitmix64(splitmix64(uint64(0) ^ words[row, col]) ^ words[row, col + 1])
-
-
 @internal
 def _fold_lanes(slots, out, s0, s1, s2, s3, count, page, shift, w0, w1, w2, w3):  # type: ignore[no-untyped-def]
     """`out[k] = fold_uniform(..., slots[k])` (slot -1 folds as slot 0): one branch-free loop
@@ -199,13 +190,13 @@ def _fold_lanes(slots, out, s0, s1, s2, s3, count, page, shift, w0, w1, w2, w3):
         s = max(slots[k], 0)
         row = (s >> shift) & _NONNEG
         lo = s & mask
-        fold = splitmix64(_pair(s0, row, (lo * w0) & _NONNEG))
+        fold = splitmix64(_pair_at(s0, row, (lo * w0) & _NONNEG))
         if count > 1:
-            fold = splitmix64(fold ^ _pair(s1, row, (lo * w1) & _NONNEG))
+            fold = splitmix64(fold ^ _pair_at(s1, row, (lo * w1) & _NONNEG))
         if count > 2:
-            fold = splitmix64(fold ^ _pair(s2, row, (lo * w2) & _NONNEG))
+            fold = splitmix64(fold ^ _pair_at(s2, row, (lo * w2) & _NONNEG))
         if count > 3:
-            fold = splitmix64(fold ^ _pair(s3, row, (lo * w3) & _NONNEG))
+            fold = splitmix64(fold ^ _pair_at(s3, row, (lo * w3) & _NONNEG))
         out[k] = fold
 
 
