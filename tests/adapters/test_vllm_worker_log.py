@@ -89,3 +89,25 @@ def test_after_the_ring_fills_counts_go_on_and_each_step_logs_one_line(
     assert all("beyond the full ring, by tag/reason: " in line and "/verify_token=" in line
                for line in ours)  # fmt: skip
     assert len(worker.drain_violations()) == RING  # the details the ring kept
+
+
+def test_drained_figures_restart_at_zero_and_what_went_out_stays_as_it_was() -> None:
+    """`StepFigures.drain` (the connector's stats each step) zeroes the figures in place; a
+    violations map it handed out is never counted into again (vLLM may still aggregate it)."""
+    worker = _worker()
+    tokens = list(range(5, 5 + 2 * B + 8))
+    _step(worker, 0, 2 * B, tokens)
+    clean = worker.figures.drain()
+    assert clean["checks"] > 0 and clean["violations"] == {}
+    assert worker.figures.checks == 0 and worker.figures.is_empty()
+    wrong = [t + 1 for t in tokens[: 2 * B]] + tokens[2 * B :]
+    _step(worker, 2 * B, 1, wrong)
+    first = worker.figures.drain()
+    sent = dict(first["violations"])
+    assert first["checks"] > 0 and sum(sent.values()) > 0
+    assert clean["violations"] == {}  # the clean step's map took none of the later counts
+    _step(worker, 2 * B + 1, 1, wrong)
+    assert first["violations"] == sent  # the next step's counts went into a new map
+    second = worker.figures.drain()
+    assert second["checks"] > first["checks"] and second["violations"] == sent
+    assert worker.figures.is_empty()

@@ -8,6 +8,7 @@ record flips (violations) and fault-free runs; a probe asserts each path is real
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 from unittest import mock
@@ -72,8 +73,14 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
     n = int(rng.integers(2, 13))
     num_rows, width = int(rng.integers(1, 5)), int(rng.integers(0, 8))
     forwards = []
+    refill = bool(rng.random() < 0.5)  # one view refilled in place: its shape stays
+    b, t = int(rng.integers(0, 5)), int(rng.integers(0, 10))
+    pick, linear, nlens = rng.random(), bool(rng.random() < 0.8), int(rng.integers(0, b + 2))
     for _ in range(int(rng.integers(1, 5))):
-        b, t = int(rng.integers(0, 5)), int(rng.integers(0, 10))
+        if not refill:
+            b, t = int(rng.integers(0, 5)), int(rng.integers(0, 10))
+            pick, linear = rng.random(), bool(rng.random() < 0.8)
+            nlens = int(rng.integers(0, b + 2))
         rows = [int(x) for x in rng.integers(0, num_rows + 1, size=b)]
         extend = g.values(0, 3, b)
         prefix = g.values(0, width, b)
@@ -92,9 +99,8 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
             "req_to_token": g.table(g.values(0, n - 1, num_rows * width), (num_rows, width)),
         }
         truth: Any = None
-        pick = rng.random()
         if pick < 0.5:
-            lens = g.values(-1 if rng.random() < 0.1 else 0, width + 2, int(rng.integers(0, b + 2)))
+            lens = g.values(-1 if rng.random() < 0.1 else 0, width + 2, nlens)
             tokens = g.table(g.values(0, 9, (num_rows + 1) * (width + 1)),
                              (num_rows + 1, width + 1))  # fmt: skip
             truth = TruthTable(tokens, g.table(lens, (len(lens),)))
@@ -102,7 +108,7 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
             truth = [list(range(int(rng.integers(0, width + 2)))) for _ in range(b)]
         lax = int(rng.random() < 0.3)  # a walk with slots one past either end of the group
         forwards.append({
-            "fields": fields, "truth": truth, "linear": bool(rng.random() < 0.8),
+            "fields": fields, "truth": truth, "linear": linear,
             "kv_flip": int(rng.integers(-n * 32, n * 32)),
             "record_flip": int(rng.integers(-4 * n * 32, n * 32)),
             "walk": list(zip(g.values(-lax, n - 1 + lax, 3), g.values(0, 8, 3),
@@ -118,7 +124,30 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
         "verify_capacity": [1, 3, 100, 100, 100][int(rng.integers(0, 5))],
         "serial_limit": ([runtime.SERIAL_LAUNCH_ENTRIES] * 2 + [1, 4])[int(rng.integers(0, 4))],
         "forwards": forwards,
+        "refill": refill,
     }
+
+
+def refilled(prev: ForwardView | None, fw: dict[str, Any]) -> ForwardView:
+    """`fw`'s view; when `prev` has NumPy arrays (and truth table) of the same shapes, `prev`
+    itself with `fw`'s values written into its arrays (cast to their dtypes), as an adapter
+    refills one view while its batch keeps its shape (the fused path keeps what it checked of a
+    view it saw before)."""
+    new = ForwardView(**fw["fields"], truth_tokens=fw["truth"], linear_chain=fw["linear"])
+    if prev is None or prev.linear_chain != new.linear_chain:
+        return new
+    pairs = [(getattr(prev, k), getattr(new, k)) for k in fw["fields"]]
+    a, b = prev.truth_tokens, new.truth_tokens
+    if type(a) is TruthTable and type(b) is TruthTable:
+        pairs += [(a.tokens, b.tokens), (a.lens, b.lens)]
+    elif a is not None or b is not None:
+        return new
+    if not all(type(x) is np.ndarray and type(y) is np.ndarray and x.shape == y.shape
+               for x, y in pairs):  # fmt: skip
+        return new
+    for x, y in pairs:
+        x[...] = y.astype(x.dtype)  # int64 into int32 wraps, for both kernels alike
+    return prev
 
 
 class Walker:
@@ -129,9 +158,11 @@ class Walker:
         return self.entries
 
 
-def outcome(kernels: str, sc: dict[str, Any], taken: list[str] | None = None) -> list[Any]:
+def outcome(kernels: str, sc: dict[str, Any], taken: list[str] | None = None,
+            refill: bool = False) -> list[Any]:  # fmt: skip
     """Every observable result of running `sc` with `kernels`, errors included; `taken` gets,
-    for each forward past HEAD, "staged" (HEAD ran fused, TAIL will) or "other"."""
+    for each forward past HEAD, "staged" (HEAD ran fused, TAIL will) or "other". `refill`:
+    views of one shape are one object refilled in place (`refilled`)."""
     k_bytes = torch.zeros(sc["n"], 32, dtype=torch.uint8)
     events: list[Any] = []
 
@@ -161,8 +192,15 @@ def outcome(kernels: str, sc: dict[str, Any], taken: list[str] | None = None) ->
         canary.attach_prefix_cache(walker=walker)
         canary.mark_init_finished()
         record = canary.group("full").buffer("tail", "k").reshape(-1)
-        for step, fw in enumerate(sc["forwards"]):
-            view = ForwardView(**fw["fields"], truth_tokens=fw["truth"], linear_chain=fw["linear"])
+        view: ForwardView | None = None
+        # refilling writes into the arrays: the scenario's own stay as drawn
+        forwards = copy.deepcopy(sc["forwards"]) if refill else sc["forwards"]
+        for step, fw in enumerate(forwards):
+            if refill:
+                view = refilled(view, fw)
+            else:
+                view = ForwardView(**fw["fields"], truth_tokens=fw["truth"],
+                                   linear_chain=fw["linear"])  # fmt: skip
             walker.entries = fw["walk"]
             if guarded(f"pre{step}", lambda v=view: canary.pre_forward(view=v)):
                 opened = canary._open  # white-box: which path this forward took
@@ -183,7 +221,7 @@ def outcome(kernels: str, sc: dict[str, Any], taken: list[str] | None = None) ->
 
 
 def check(sc: dict[str, Any]) -> None:
-    assert outcome("fast", sc) == outcome("reference", sc)
+    assert outcome("fast", sc, refill=sc["refill"]) == outcome("reference", sc, refill=sc["refill"])
 
 
 @settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -216,18 +254,28 @@ def test_the_fuzz_takes_every_path_and_reaches_errors_and_violations() -> None:
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
     @given(scenarios())
     def probe(sc: dict[str, Any]) -> None:
-        for event in outcome("fast", sc, paths):
+        for event in outcome("fast", sc, paths, refill=sc["refill"]):
             if isinstance(event[0], str):
                 key = " ".join(event[2].split(" ")[1:3])
                 seen[key] = seen.get(key, 0) + 1
             else:
                 seen["violations"] += event[3] > 0
 
+    reused = [0]
+    real_refilled = refilled
+
+    def counted(prev: ForwardView | None, fw: dict[str, Any]) -> ForwardView:
+        out = real_refilled(prev, fw)
+        reused[0] += out is prev
+        return out
+
     with (
         mock.patch.object(FusedForward, "head", head),
         mock.patch.object(FusedForward, "sweep", sweep),
+        mock.patch(f"{__name__}.refilled", counted),
     ):
         probe()
+    assert reused[0] > 20, reused  # views refilled in place: what the fused path keeps
     assert sweeps.count(True) > 100 and sweeps.count(False) > 10, (sweeps.count(True), len(sweeps))
     launched = sum(heads)  # fused plans whose stages the runtime launched
     assert paths.count("staged") > 100, paths.count("staged")
@@ -236,3 +284,40 @@ def test_the_fuzz_takes_every_path_and_reaches_errors_and_violations() -> None:
     assert seen["violations"] > 20, seen
     assert sum(1 for k in seen if k.startswith("forward_view")) >= 2, seen
     assert any(k.startswith("slot") for k in seen), seen
+
+
+def test_a_kept_view_is_read_again_when_its_truth_table_changes() -> None:
+    """The fused path keeps what it checked of a view it saw before; a truth table whose arrays
+    were replaced (it is not frozen) must be checked and read again: the fast canary reports the
+    token violations the reference one does, forward by forward."""
+    fields = {"rows": np.array([1]), "prefix_lens": np.array([0]), "extend_lens": np.array([2]),
+              "input_ids": np.array([5, 6]), "positions": np.array([0, 1]),
+              "out_slots": np.array([1, 2]), "req_to_token": np.array([[0, 0], [1, 2]])}  # fmt: skip
+    tokens = [np.array([[5, 6]]), np.array([[5, 7]])]  # view row 0's truth: two tokens
+
+    def run(kernels: str) -> list[Any]:
+        groups = [BufferGroupSpec(kind=GroupKind.FULL, num_slots=4)]
+        cfg = CanaryConfig(mode=CanaryMode.LOG, enable_verify_token_assert=True,
+                           stats_print_every_n_steps=0)  # fmt: skip
+        caps = CanaryLaunchCapacities(write_req_capacity=4, write_entry_capacity=8,
+                                      verify_capacity=100, max_seq_len_per_req=3)  # fmt: skip
+        canary = install(cfg, groups, caps, kernels=kernels)
+        assert canary is not None
+        canary.mark_init_finished()
+        truth = TruthTable(tokens[0], np.array([2]))
+        view = ForwardView(**{k: v.copy() for k, v in fields.items()}, truth_tokens=truth)
+        seen = []
+        for step in range(4):
+            if step == 2:
+                truth.tokens = tokens[1]  # the same table object, another token array
+            if step >= 1:  # the second forward on: the first's two tokens are a prefix
+                view.prefix_lens[0], view.extend_lens[0] = 2, 0
+            canary.pre_forward(view=view)
+            canary.post_forward(view=view)
+            canary.end_step()
+            seen.append(canary.total_violations)
+        return seen
+
+    fast = run("fast")
+    assert fast == run("reference")
+    assert fast[1] == 0 and fast[2] > fast[1], fast  # the replaced tokens were read

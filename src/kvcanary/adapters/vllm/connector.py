@@ -367,9 +367,7 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             return KVCanaryStats(data=data) if any(data.values()) else None
         if w is None or w.figures.is_empty():
             return None
-        f = w.take_figures()  # ours now: its violations map goes out as it is
-        return KVCanaryStats(data={"forwards": f.forwards, "checks": f.checks,
-                                   "sweeps": f.sweeps, "violations": f.violations})  # fmt: skip
+        return KVCanaryStats(data=w.figures.drain())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:

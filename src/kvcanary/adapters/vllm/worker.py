@@ -47,18 +47,31 @@ KEPT_VIOLATIONS = 1_000_000
 
 @dataclass
 class StepFigures:
-    """Figures since the last `take_figures` (they cross to the scheduler and /metrics)."""
+    """Figures since the last `drain` or `CanaryWorker.take_figures` (they cross to the scheduler
+    and /metrics)."""
 
     forwards: int = 0
     checks: int = 0
     sweeps: int = 0
-    # "TAG|reason" -> count; a plain dict: a Counter's Python-level __init__ ran every step
-    # (`take_figures`) for a map that is empty on a clean step
+    # "TAG|reason" -> count; a plain dict: a Counter's Python-level __init__ cost every step
+    # for a map that is empty on a clean step
     violations: dict[str, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         """Nothing happened."""
         return not (self.forwards or self.checks or self.sweeps or self.violations)
+
+    def drain(self) -> dict[str, Any]:
+        """The figures as `KVCanaryStats` data, then zero (in place: a new object per step was
+        most of a clean step's stats work). The violations map goes out as it is, never to be
+        written again: a fresh one takes its place."""
+        counts = self.violations
+        data = {"forwards": self.forwards, "checks": self.checks, "sweeps": self.sweeps,
+                "violations": counts if counts else {}}  # fmt: skip
+        self.forwards = self.checks = self.sweeps = 0
+        if counts:
+            self.violations = {}
+        return data
 
 
 def _layer_writer(static_ctx: Mapping[str, Any], name: str) -> Any:
