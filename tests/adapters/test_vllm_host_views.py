@@ -15,7 +15,10 @@ from kvcanary.adapters.vllm.host_views import HostViews
     calls=st.lists(
         st.tuples(
             st.integers(0, 2),  # which persistent buffer
-            st.sampled_from(["prefix", "offset", "strided", "as_int32"]),  # which view of it
+            # which view of it; "again": the previous call's tensor object (vLLM hands the
+            # same slice in while its batch keeps its shape); "moved": that object `set_`
+            # onto another buffer in place (its identity stays, its memory does not)
+            st.sampled_from(["prefix", "offset", "strided", "as_int32", "again", "moved"]),
             st.integers(0, 40),  # the tensor's length
             st.integers(0, 48),  # n (may exceed the tensor)
             st.integers(-(2**31), 2**31 - 1),  # a value the runner writes before the call
@@ -27,12 +30,19 @@ from kvcanary.adapters.vllm.host_views import HostViews
 def test_prefix_equals_torch_slice_numpy(calls: list[tuple[int, str, int, int, int]]) -> None:
     """Same values, same memory, same length as `t[:n].numpy()`: over prefixes of several
     buffers (the cache's hit), views at an offset, strided and re-typed views of the same
-    address (its misses), and writes the runner makes in between (a view, never a copy)."""
+    address (its misses), the same tensor object again or moved in place onto other memory,
+    and writes the runner makes in between (a view, never a copy)."""
     buffers = [torch.zeros(40, dtype=d) for d in (torch.int64, torch.int64, torch.int32)]
     host = HostViews()
+    t = buffers[0][:0]
     for which, kind, length, n, value in calls:
         buf = buffers[which]
-        if kind == "prefix":
+        if kind == "again":
+            pass
+        elif kind == "moved":
+            if buf.dtype == t.dtype:
+                t.set_(buf.untyped_storage(), which, (min(length, 40 - which),), (1,))
+        elif kind == "prefix":
             t = buf[:length]
         elif kind == "offset":
             t = buf[1 : 1 + length]

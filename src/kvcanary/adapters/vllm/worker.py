@@ -285,6 +285,8 @@ class CanaryWorker:
                 mirror.refresh(tail, swept if early else None)  # what TAIL reads, at check time
             if flips:
                 self._with_flips(tail, self._tail_waves, waves=waves)
+            elif len(waves) == 1:  # the common forward: one wave
+                canary.post_forward(view=waves[0])
             else:
                 self._tail_waves(waves)
             if self._runner_hooks is not None:
@@ -354,7 +356,8 @@ class CanaryWorker:
             # the persistent token table, read in place (the canary copies what it checks);
             # the same object while the batch keeps its size, so the view is reused too
             truth = self._truth
-            if truth is None or len(truth) != num_reqs or truth.tokens is not arrays.token_ids:
+            if (truth is None or len(truth.lens) != num_reqs
+                    or truth.tokens is not arrays.token_ids):  # fmt: skip
                 truth = self._truth = TruthTable(arrays.token_ids, arrays.num_tokens[:num_reqs])
         self.last_request_ids = ib.req_ids[:num_reqs]
         table = arrays.table
