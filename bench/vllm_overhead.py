@@ -13,10 +13,13 @@ vLLM's prefix cache is dropped before every run so both arms compute the same to
 
 Printed per workload: median wall time per run for each arm, the overhead
 `(on - off) / off` of the medians and of the paired runs, and the canary's own time (timed
-inside the adapter) as a share of the `on` runs.
+inside the adapter) as a share of the `on` runs. `--phases` also times vLLM's own phases of a
+step (the model forward, the rest of `execute_model`, where the canary's hooks run, sampling,
+scheduling, output processing) in both arms and prints each one's median per step, on and off:
+where the gap between the arms goes.
 
     python bench/vllm_overhead.py [--dtype bfloat16|float32|float16] [--rounds 7] [--hidden 256]
-                                  [--layers 2] [--json PATH]
+                                  [--layers 2] [--phases] [--json PATH]
 
 The canary is attached as vLLM's KV connector (`KVCanaryConnector`); the engine core runs in this
 process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless set) so both arms share one engine.
@@ -34,8 +37,39 @@ import os
 import random
 import statistics
 import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from vllm_hooks import model_spec  # bench/vllm_hooks.py: the benches' Llama, by width and depth
+
+#: (module, class, method) -> phase: vLLM's own work per step, timed in both arms (`--phases`)
+PHASES = (
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward", "model forward"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", "execute_model"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", "sample_tokens"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "schedule"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", "update_from_output"),
+)
+
+
+def time_phases(spent: Counter[str]) -> None:
+    """Wrap each `PHASES` method (the class that defines it) to add its time to `spent`."""
+    import importlib
+
+    for module, cls_name, name, label in PHASES:
+        cls = getattr(importlib.import_module(module), cls_name)
+        fn: Callable[..., Any] = cls.__dict__[name]
+
+        def timed(*a: Any, _fn: Callable[..., Any] = fn, _label: str = label, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                spent[_label] += time.perf_counter() - t
+
+        setattr(cls, name, timed)
 
 
 def main() -> int:
@@ -48,6 +82,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=256, help="model width (head_dim stays 64)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--phases", action="store_true", help="time vLLM's phases in both arms")
     ap.add_argument("--json", dest="json_path", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -70,6 +105,9 @@ def main() -> int:
         max_num_batched_tokens=512, max_model_len=max(512, args.prompt_len + 128),
         dtype=args.dtype,
     )  # fmt: skip
+    spent: Counter[str] = Counter()
+    if args.phases:
+        time_phases(spent)
     engine = VllmEngine(settings, env)
 
     def workload(kind: str, seed: int) -> list[VllmRequest]:
@@ -85,9 +123,13 @@ def main() -> int:
     def timed(kind: str, seed: int, on: bool) -> tuple[float, float, int]:
         STATE.bypass = not on
         engine.reset_prefix_cache()
+        spent.clear()
         run = engine.run(workload(kind, seed), seed=seed)
         f = run.figures
+        phases[on].append(dict(spent))
         return f["wall_seconds"], f["canary_seconds"], f["forward_steps"]
+
+    phases: dict[bool, list[dict[str, float]]] = {True: [], False: []}
 
     for kind in ("prefill", "decode"):  # warm-up: numba kernels, vLLM's first-call paths
         timed(kind, 999, True)
@@ -96,6 +138,8 @@ def main() -> int:
     print(f"model: hidden {args.hidden}, {args.layers} layers, {heads} heads x 64, {args.dtype}")
     for kind in ("prefill", "decode"):
         on, off, canary, steps = [], [], [], 0
+        phases[True].clear()
+        phases[False].clear()
         for r in range(args.rounds):
             order = (True, False) if r % 2 == 0 else (False, True)
             for arm in order:
@@ -121,12 +165,36 @@ def main() -> int:
             f"on/off {med_on / med_off:.3f}x (paired {paired:.3f}x), canary's own time "
             f"{100 * results[kind]['canary_share_of_on']:.1f}% of the on runs"
         )
+        if args.phases:
+            print_phases(phases, on, off, canary, max(1, steps))
     STATE.bypass = False
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump(results, fh, indent=2)
             fh.write("\n")
     return 0
+
+
+def print_phases(phases: dict[bool, list[dict[str, float]]], on: list[float], off: list[float],
+                 canary: list[float], steps: int) -> None:  # fmt: skip
+    """Median µs per step of each phase in either arm, and the difference (the model forward
+    apart: `execute_model` is printed without it)."""
+
+    def per_step(arm: bool, key: str) -> float:
+        runs = phases[arm]
+        if key == "execute_model":
+            vals = [r.get(key, 0.0) - r.get("model forward", 0.0) for r in runs]
+        else:
+            vals = [r.get(key, 0.0) for r in runs]
+        return 1e6 * statistics.median(vals) / steps
+
+    rows = [("wall", 1e6 * statistics.median(on) / steps, 1e6 * statistics.median(off) / steps)]
+    for _, _, _, label in PHASES:
+        name = "execute_model, less the forward" if label == "execute_model" else label
+        rows.append((name, per_step(True, label), per_step(False, label)))
+    rows.append(("canary's own time", 1e6 * statistics.median(canary) / steps, 0.0))
+    for name, a, b in rows:
+        print(f"    {name:32s} on {a:9.1f} us  off {b:9.1f} us  on - off {a - b:8.1f} us")
 
 
 if __name__ == "__main__":
