@@ -140,13 +140,15 @@ def refilled(prev: ForwardView | None, fw: dict[str, Any]) -> ForwardView:
     a, b = prev.truth_tokens, new.truth_tokens
     if type(a) is TruthTable and type(b) is TruthTable:
         pairs += [(a.tokens, b.tokens), (a.lens, b.lens)]
-    elif a is not None or b is not None:
+    elif type(a) is not type(b) or not (a is None or type(a) is list):
         return new
     if not all(type(x) is np.ndarray and type(y) is np.ndarray and x.shape == y.shape
                for x, y in pairs):  # fmt: skip
         return new
     for x, y in pairs:
         x[...] = y.astype(x.dtype)  # int64 into int32 wraps, for both kernels alike
+    if type(a) is list:
+        a[:] = b  # a plain-list truth: the same list object, refilled
     return prev
 
 
@@ -321,3 +323,35 @@ def test_a_kept_view_is_read_again_when_its_truth_table_changes() -> None:
     fast = run("fast")
     assert fast == run("reference")
     assert fast[1] == 0 and fast[2] > fast[1], fast  # the replaced tokens were read
+
+
+def test_a_kept_view_with_a_plain_list_truth_runs_again() -> None:
+    """A view whose truth is a plain list (not a `TruthTable`), token check off, handed in twice:
+    the fused path keeps it like any other (it once read `.tokens` of the list and raised)."""
+    fields = {"rows": np.array([1]), "prefix_lens": np.array([0]), "extend_lens": np.array([2]),
+              "input_ids": np.array([5, 6]), "positions": np.array([0, 1]),
+              "out_slots": np.array([1, 2]), "req_to_token": np.array([[0, 0], [1, 2]])}  # fmt: skip
+
+    def run(kernels: str) -> list[Any]:
+        groups = [BufferGroupSpec(kind=GroupKind.FULL, num_slots=4)]
+        cfg = CanaryConfig(mode=CanaryMode.LOG, enable_verify_token_assert=False,
+                           stats_print_every_n_steps=0)  # fmt: skip
+        caps = CanaryLaunchCapacities(write_req_capacity=4, write_entry_capacity=8,
+                                      verify_capacity=100, max_seq_len_per_req=3)  # fmt: skip
+        canary = install(cfg, groups, caps, kernels=kernels)
+        assert canary is not None
+        canary.mark_init_finished()
+        view = ForwardView(**{k: v.copy() for k, v in fields.items()}, truth_tokens=[[5, 6]])
+        seen = []
+        for step in range(3):
+            if step >= 1:
+                view.prefix_lens[0], view.extend_lens[0] = 2, 0
+            canary.pre_forward(view=view)
+            canary.post_forward(view=view)
+            canary.end_step()
+            seen.append((canary.total_violations, dict(canary.slot_run_counter)))
+        return seen
+
+    fast = run("fast")
+    assert fast == run("reference")
+    assert fast[-1][0] == 0 and sum(fast[-1][1].values()) > 0, fast

@@ -85,6 +85,21 @@ class PackedForward(NamedTuple):
         )  # fmt: skip
 
 
+class _Checked(NamedTuple):
+    """What `FusedForward._check` made of a view, and the objects it was made from (a later
+    view with the same `view`, `given`, `tokens` and `lens` needs no new check)."""
+
+    view: ForwardView
+    given: Any  # the view's truth_tokens
+    tokens: Any  # a TruthTable's arrays at check time (None for any other truth)
+    lens: Any
+    arrays: tuple[Any, ...]  # rows .. out_slots (plain int64 arrays), as the kernel takes them
+    r2t: npt.NDArray[np.integer[Any]]
+    truth: npt.NDArray[np.integer[Any]]
+    truth_lens: npt.NDArray[np.integer[Any]]
+    has_truth: bool
+
+
 def _plain(a: Any) -> bool:
     """A 1-D int64 NumPy array (what the compiled checks take; anything else falls back)."""
     return type(a) is np.ndarray and a.ndim == 1 and a.dtype == _INT64
@@ -137,8 +152,8 @@ class FusedForward:
                        int(sweep_tag))  # fmt: skip
         self._no_truth = np.zeros((0, 0), dtype=np.int64)
         self._no_lens = np.zeros(0, dtype=np.int64)
-        # the last view `head` checked, its truth table's arrays and what `_check` made of them
-        self._inputs: tuple[Any, ...] | None = None
+        # the last view `head` checked and what `_check` made of it
+        self._kept: _Checked | None = None
         # the packed plan of the open forward (overwritten by the next `head`; a forward's
         # TAIL runs before the next forward's HEAD)
         self._packed: I64 = np.zeros(1024, dtype=np.int64)
@@ -155,17 +170,18 @@ class FusedForward:
     def head(self, view: ForwardView, chain_position_enabled: bool) -> PackedForward | None:
         """Check, snapshot and plan `view`; run its HEAD stage when it is small. None: take the
         general path (a view these checks do not pass, or in a form they do not read)."""
-        inputs = self._inputs
         given = view.truth_tokens
+        kept = self._kept
         # the same frozen view (an adapter refills one while the batch keeps its shape) over the
-        # same NumPy arrays was checked by an earlier call: its arrays and tables are unchanged
-        if (inputs is None or inputs[0] is not view or inputs[1] is not given
-                or (given is not None and (inputs[2] is not given.tokens
-                                           or inputs[3] is not given.lens))):  # fmt: skip
-            inputs = self._check(view)
-            if inputs is None:
+        # same NumPy arrays and truth table was checked by an earlier call: nothing to check again
+        if (kept is None or kept.view is not view or kept.given is not given
+                or (type(given) is TruthTable
+                    and (kept.tokens is not given.tokens or kept.lens is not given.lens))):  # fmt: skip
+            kept = self._check(view)
+            if kept is None:
                 return None
-        arrays, r2t, truth, lens, has_truth = inputs[4:]
+        arrays, r2t, truth, lens = kept.arrays, kept.r2t, kept.truth, kept.truth_lens
+        has_truth = kept.has_truth
         linear_chain = bool(view.linear_chain)
         chain_position = chain_position_enabled and linear_chain
         scratch = self._scratch
@@ -192,10 +208,10 @@ class FusedForward:
             truth if has_truth else np.zeros((nr, 0), dtype=np.int64),
         )  # fmt: skip
 
-    def _check(self, view: ForwardView) -> tuple[Any, ...] | None:
+    def _check(self, view: ForwardView) -> _Checked | None:
         """`view`'s arrays and tables in the form the compiled checks take (None: the general
-        path). Kept for the next call when every one is a NumPy array of the view (a tensor's
-        NumPy view is taken again each call: a tensor can be resized under it)."""
+        path). Kept for the next call when every table is a NumPy array (a tensor's NumPy view
+        is taken again each call: a tensor can be resized under it)."""
         arrays = (view.rows, view.prefix_lens, view.extend_lens, view.input_ids, view.positions,
                   view.out_slots)  # fmt: skip
         r2t = _table(view.req_to_token, 2)
@@ -214,11 +230,14 @@ class FusedForward:
                 return None
             truth, lens = table, lengths
             tables += (given.tokens, given.lens)
-        out = (view, given, getattr(given, "tokens", None), getattr(given, "lens", None), arrays,
-               r2t, truth, lens, has_truth)  # fmt: skip
+        kept_table = given if isinstance(given, TruthTable) else None
+        checked = _Checked(
+            view, given, None if kept_table is None else kept_table.tokens,
+            None if kept_table is None else kept_table.lens, arrays, r2t, truth, lens, has_truth,
+        )  # fmt: skip
         if all(type(t) is np.ndarray for t in tables):
-            self._inputs = out
-        return out
+            self._kept = checked
+        return checked
 
     def tail(self, fwd: PackedForward) -> None:
         """The TAIL stage of a staged forward (its rows in the scratch)."""
