@@ -288,26 +288,38 @@ def test_the_fuzz_takes_every_path_and_reaches_errors_and_violations() -> None:
     assert any(k.startswith("slot") for k in seen), seen
 
 
+def one_row_view(truth: Any) -> ForwardView:
+    """A view of one request writing tokens 5, 6 to slots 1, 2 (its arrays its own, so a test
+    can refill them in place)."""
+    return ForwardView(rows=np.array([1]), prefix_lens=np.array([0]), extend_lens=np.array([2]),
+                       input_ids=np.array([5, 6]), positions=np.array([0, 1]),
+                       out_slots=np.array([1, 2]), req_to_token=np.array([[0, 0], [1, 2]]),
+                       truth_tokens=truth)  # fmt: skip
+
+
+def small_canary(kernels: str, token_check: bool) -> Any:
+    """A four-slot FULL canary in `log` mode with `kernels`, initialised."""
+    groups = [BufferGroupSpec(kind=GroupKind.FULL, num_slots=4)]
+    cfg = CanaryConfig(mode=CanaryMode.LOG, enable_verify_token_assert=token_check,
+                       stats_print_every_n_steps=0)  # fmt: skip
+    caps = CanaryLaunchCapacities(write_req_capacity=4, write_entry_capacity=8,
+                                  verify_capacity=100, max_seq_len_per_req=3)  # fmt: skip
+    canary = install(cfg, groups, caps, kernels=kernels)
+    assert canary is not None
+    canary.mark_init_finished()
+    return canary
+
+
 def test_a_kept_view_is_read_again_when_its_truth_table_changes() -> None:
     """The fused path keeps what it checked of a view it saw before; a truth table whose arrays
     were replaced (it is not frozen) must be checked and read again: the fast canary reports the
     token violations the reference one does, forward by forward."""
-    fields = {"rows": np.array([1]), "prefix_lens": np.array([0]), "extend_lens": np.array([2]),
-              "input_ids": np.array([5, 6]), "positions": np.array([0, 1]),
-              "out_slots": np.array([1, 2]), "req_to_token": np.array([[0, 0], [1, 2]])}  # fmt: skip
     tokens = [np.array([[5, 6]]), np.array([[5, 7]])]  # view row 0's truth: two tokens
 
     def run(kernels: str) -> list[Any]:
-        groups = [BufferGroupSpec(kind=GroupKind.FULL, num_slots=4)]
-        cfg = CanaryConfig(mode=CanaryMode.LOG, enable_verify_token_assert=True,
-                           stats_print_every_n_steps=0)  # fmt: skip
-        caps = CanaryLaunchCapacities(write_req_capacity=4, write_entry_capacity=8,
-                                      verify_capacity=100, max_seq_len_per_req=3)  # fmt: skip
-        canary = install(cfg, groups, caps, kernels=kernels)
-        assert canary is not None
-        canary.mark_init_finished()
+        canary = small_canary(kernels, token_check=True)
         truth = TruthTable(tokens[0], np.array([2]))
-        view = ForwardView(**{k: v.copy() for k, v in fields.items()}, truth_tokens=truth)
+        view = one_row_view(truth)
         seen = []
         for step in range(4):
             if step == 2:
@@ -328,20 +340,10 @@ def test_a_kept_view_is_read_again_when_its_truth_table_changes() -> None:
 def test_a_kept_view_with_a_plain_list_truth_runs_again() -> None:
     """A view whose truth is a plain list (not a `TruthTable`), token check off, handed in twice:
     the fused path keeps it like any other (it once read `.tokens` of the list and raised)."""
-    fields = {"rows": np.array([1]), "prefix_lens": np.array([0]), "extend_lens": np.array([2]),
-              "input_ids": np.array([5, 6]), "positions": np.array([0, 1]),
-              "out_slots": np.array([1, 2]), "req_to_token": np.array([[0, 0], [1, 2]])}  # fmt: skip
 
     def run(kernels: str) -> list[Any]:
-        groups = [BufferGroupSpec(kind=GroupKind.FULL, num_slots=4)]
-        cfg = CanaryConfig(mode=CanaryMode.LOG, enable_verify_token_assert=False,
-                           stats_print_every_n_steps=0)  # fmt: skip
-        caps = CanaryLaunchCapacities(write_req_capacity=4, write_entry_capacity=8,
-                                      verify_capacity=100, max_seq_len_per_req=3)  # fmt: skip
-        canary = install(cfg, groups, caps, kernels=kernels)
-        assert canary is not None
-        canary.mark_init_finished()
-        view = ForwardView(**{k: v.copy() for k, v in fields.items()}, truth_tokens=[[5, 6]])
+        canary = small_canary(kernels, token_check=False)
+        view = one_row_view([[5, 6]])
         seen = []
         for step in range(3):
             if step >= 1:
