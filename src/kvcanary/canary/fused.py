@@ -93,10 +93,9 @@ class _Checked(NamedTuple):
     given: Any  # the view's truth_tokens
     tokens: Any  # a TruthTable's arrays at check time (None for any other truth)
     lens: Any
-    arrays: tuple[Any, ...]  # rows .. out_slots (plain int64 arrays), as the kernel takes them
+    args: tuple[Any, ...]  # `forward_head`'s arguments from `rows` to `serial_limit`
     r2t: npt.NDArray[np.integer[Any]]
     truth: npt.NDArray[np.integer[Any]]
-    truth_lens: npt.NDArray[np.integer[Any]]
     has_truth: bool
 
 
@@ -180,16 +179,12 @@ class FusedForward:
             kept = self._check(view)
             if kept is None:
                 return None
-        arrays, r2t, truth, lens = kept.arrays, kept.r2t, kept.truth, kept.truth_lens
-        has_truth = kept.has_truth
         linear_chain = bool(view.linear_chain)
         chain_position = chain_position_enabled and linear_chain
         scratch = self._scratch
         while True:
-            out = self._head_kernel(
-                self._packed, *arrays, r2t, truth, lens, has_truth, *self._head_plan,
-                chain_position, *self._head, scratch.words, scratch.state,
-            )  # fmt: skip
+            out = self._head_kernel(self._packed, *kept.args, chain_position, *self._head,
+                                    scratch.words, scratch.state)  # fmt: skip
             status = out[0]
             # on a grow status nothing was written: plan again (a pure function of the view)
             if status == _GROW_SCRATCH:
@@ -204,8 +199,8 @@ class FusedForward:
         packed = self._packed
         return PackedForward(
             packed, nr, nt, nw, nv, total_v, overflow, shadowed, writes, linear_chain,
-            chain_position, status == _DONE, r2t,
-            truth if has_truth else np.zeros((nr, 0), dtype=np.int64),
+            chain_position, status == _DONE, kept.r2t,
+            kept.truth if kept.has_truth else np.zeros((nr, 0), dtype=np.int64),
         )  # fmt: skip
 
     def _check(self, view: ForwardView) -> _Checked | None:
@@ -233,7 +228,8 @@ class FusedForward:
         kept_table = given if isinstance(given, TruthTable) else None
         checked = _Checked(
             view, given, None if kept_table is None else kept_table.tokens,
-            None if kept_table is None else kept_table.lens, arrays, r2t, truth, lens, has_truth,
+            None if kept_table is None else kept_table.lens,
+            (*arrays, r2t, truth, lens, has_truth, *self._head_plan), r2t, truth, has_truth,
         )  # fmt: skip
         if all(type(t) is np.ndarray for t in tables):
             self._kept = checked

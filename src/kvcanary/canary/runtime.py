@@ -18,7 +18,12 @@ from kvcanary.canary.errors import CanaryHealthError, CanaryViolationError
 from kvcanary.canary.fused import FusedForward, PackedForward
 from kvcanary.canary.incidents import IncidentCollector, PassRows
 from kvcanary.canary.kernels import KERNEL_IMPLEMENTATIONS
-from kvcanary.canary.monitors import HealthChecker, stats_line, warn_verify_overflow
+from kvcanary.canary.monitors import (
+    HEALTH_PERIOD,
+    HealthChecker,
+    stats_line,
+    warn_verify_overflow,
+)
 from kvcanary.canary.perturb_seam import BindsCanary, PerturbHooks, PerturbRecord
 from kvcanary.canary.plan import GroupPlan, ViewSnapshot, build_group_plan, snapshot_view
 from kvcanary.canary.ring import ViolationRing
@@ -37,6 +42,7 @@ __all__ = ["Canary"]
 
 logger = logging.getLogger("kvcanary")
 _NO_TOKENS = np.full(0, -1, dtype=np.int64)
+_NEVER = 1 << 62  # a step no run reaches
 
 #: A stage with fewer verify + write entries than this runs the kernels' one-thread twins
 #: (`verify_serial`, `write_serial`): waking numba's thread pool costs more than such a launch's
@@ -129,9 +135,13 @@ class Canary:
         self.chain_position_assert_enabled = False
         self._walker: PrefixCacheWalker | None = None
         self._last_sweep_step: int | None = None
+        # the first step `end_step` sweeps at (`sweep_due`, read twice a step by adapters too):
+        # never until a walker is attached, then at once, then every `sweep_interval` steps
+        self._sweep_at = _NEVER
         self._open: _OpenForward | PackedForward | None = None
         self._tripped = False
         self._health = HealthChecker()
+        self._stats_every = config.stats_print_every_n_steps
         # Built once: the config and groups are frozen, and these are read every forward.
         self._tags = {
             (stage, half, g.name): LaunchTag.of(stage, half, g.name)
@@ -193,6 +203,8 @@ class Canary:
     def attach_prefix_cache(self, *, walker: PrefixCacheWalker) -> None:
         """Enable sweeps over `walker`."""
         self._walker = walker
+        if self.config.sweep_interval > 0 and self._last_sweep_step is None:
+            self._sweep_at = self.step
 
     def pre_forward(self, *, view: ForwardView) -> None:
         """Perturb hooks, plan, HEAD verify + write, pump."""
@@ -243,17 +255,23 @@ class Canary:
         """Cache perturb, sweep if due, pump, health, stats; then advance the step."""
         if self._open is not None:
             raise CanaryContractError("kv-canary: end_step called while a forward is open")
+        step = self.step
         try:
-            due = self.sweep_due
-            if self._perturb is not None:
-                self._perturb.at_end_step(step=self.step, sweep_due=due)
+            due = step >= self._sweep_at
+            perturb = self._perturb
+            perturbed = perturb is not None
+            if perturb is not None:
+                perturb.at_end_step(step=step, sweep_due=due)
             if due:
                 self._sweep()
-            self._pump()
-            self._check_health()
-            self._log_stats()
+            if due or perturbed:  # every other entry point pumps what it records itself
+                self._pump()
+            if step % HEALTH_PERIOD == 0:
+                self._check_health()
+            if self._stats_every > 0 and step % self._stats_every == 0:
+                self._log_stats()
         finally:
-            self.step += 1
+            self.step = step + 1
 
     def maybe_swap_next_tokens(self, *, tokens: list[int]) -> list[int]:
         """Sampler exit: the perturber may swap two rows' tokens (SPEC §11.2 next_token_swap)."""
@@ -341,10 +359,7 @@ class Canary:
     @property
     def sweep_due(self) -> bool:
         """True when `end_step` at the current step will sweep."""
-        interval = self.config.sweep_interval
-        if interval <= 0 or self._walker is None:
-            return False
-        return self._last_sweep_step is None or self.step - self._last_sweep_step >= interval
+        return self.step >= self._sweep_at
 
     @property
     def perturbed(self) -> bool:
@@ -534,6 +549,7 @@ class Canary:
             self._sweep_groups(walked)
         self.sweep_passes += 1
         self._last_sweep_step = self.step
+        self._sweep_at = self.step + self.config.sweep_interval
         logger.info(
             "[canary] sweep pass=%d step=%d entries=%d", self.sweep_passes, self.step, len(walked)
         )

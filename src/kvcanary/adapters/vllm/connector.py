@@ -283,7 +283,11 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                     str(rid) for rid, state in w.runner.requests.items()
                     if failed.intersection(state.block_ids[0])
                 }  # fmt: skip
-        self._raising(w.before_forward, getattr(forward_context, "slot_mapping", None))
+        try:  # `_raising`, inline: a call less on every forward
+            w.before_forward(getattr(forward_context, "slot_mapping", None))
+        except Exception as exc:
+            self._stopping(exc)
+            raise
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing is loaded."""
@@ -301,27 +305,37 @@ class KVCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         snapshot = meta.snapshot if isinstance(meta, CanaryStepMeta) else None
         if snapshot is not None and snapshot.block_size != w.block_size:
             snapshot = None  # scheduler and kernel block sizes differ: no sweep this step
-        self._raising(w.after_forward, snapshot)
+        try:  # `_raising`, inline
+            w.after_forward(snapshot)
+        except Exception as exc:
+            self._stopping(exc)
+            raise
         if self.sidecars is not None:  # after TAIL: the records of what ExampleConnector saved
             self.sidecars.export(w)
 
     def _raising(self, fn: Any, arg: Any) -> Any:
+        """`fn(arg)`; an exception goes on after `_stopping` saw it."""
         try:
             return fn(arg)
         except Exception as exc:
-            # imported on a violation only: a hook's clean path runs no import machinery
-            from kvcanary.adapters.vllm.plugin import write_stop_note
-            from kvcanary.canary import CanaryViolationError
-
-            if not isinstance(exc, CanaryViolationError):
-                raise
-            first = str(exc).splitlines()[0]
-            reqs = self.worker.running_requests() if self.worker is not None else []
-            if reqs:
-                first += "; vLLM request(s): " + ", ".join(reqs)
-            logger.error("kv-canary: raise mode stops vLLM: %s", first)
-            write_stop_note(first)
+            self._stopping(exc)
             raise
+
+    def _stopping(self, exc: Exception) -> None:
+        """A hook raised `exc`: when it is raise mode's violation, log why vLLM stops (with
+        the requests of the forward) and leave the stop note; anything else passes unseen."""
+        # imported on a violation only: a hook's clean path runs no import machinery
+        from kvcanary.adapters.vllm.plugin import write_stop_note
+        from kvcanary.canary import CanaryViolationError
+
+        if not isinstance(exc, CanaryViolationError):
+            return
+        first = str(exc).splitlines()[0]
+        reqs = self.worker.running_requests() if self.worker is not None else []
+        if reqs:
+            first += "; vLLM request(s): " + ", ".join(reqs)
+        logger.error("kv-canary: raise mode stops vLLM: %s", first)
+        write_stop_note(first)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Mode `recover`: the blocks of the requests this forward's incidents name (vLLM then

@@ -140,14 +140,18 @@ class KvMirror:
         then `more` when given (a second list, gathered in the same compiled call). NumPy fancy
         indexing over one flat view where there is no compiled gather (torch's 2-D advanced
         indexing is about 100x slower here)."""
-        n = len(self._rows)
         kernel = self._kernel
-        if kernel is not None:
-            idx = np.arange(n) if blocks is None else _int64(blocks)
+        if kernel is not None and blocks is not None:
             if more is None:
-                _gather_rows(*kernel, idx)  # skips ids outside the cache
+                _gather_rows(*kernel, _int64(blocks))  # skips ids outside the cache
             else:
-                _gather_two(*kernel, idx, _int64(more))
+                _gather_two(*kernel, _int64(blocks), _int64(more))
+            return
+        n = len(self._rows)
+        if kernel is not None:
+            _gather_rows(*kernel, np.arange(n))
+            if more is not None:
+                _gather_rows(*kernel, _int64(more))
             return
         if more is not None:
             self.refresh(blocks)

@@ -121,20 +121,39 @@ def _shape_into(qsl, computed, prompt, num_reqs, ids, pos, slots, out):  # type:
     return need, chunked
 
 
+#: `_forward` statuses: done; a buffer is too small (grow, call again); the table is too narrow
+#: (grow it, call again); the batch has more rows than the block table; a batch array is shorter
+#: than the batch's rows. Nothing is written on any status but `_DONE` and `_GROW_TABLE`
+#: (which only filled the view's buffer, rewritten by the next call).
+_DONE, _GROW_BUFFERS, _GROW_TABLE, _TOO_MANY_ROWS, _SHORT_ARRAYS = 0, 1, 2, 3, 4
+
+
 @njit(cache=True)
 def _forward(  # type: ignore[no-untyped-def]
-    bt, qsl, computed, prompt, num_reqs, ids, pos, slots, b, out, table, seen, owner, listed, tail
+    bt, qsl, computed, prompt, num_reqs, ids, pos, slots, num_tokens, b, out, table, seen, owner,
+    listed, tail,
 ):  # fmt: skip
-    """`_shape_into`, then `_prep` when the table is wide enough. Returns `(chunked, nblocks,
-    tail entries, cross, min slot)`; tail entries -1: grow the table to `nblocks`, then `_prep`."""
-    need, chunked = _shape_into(qsl, computed, prompt, num_reqs, ids, pos, slots, out)
+    """`StepPrep.forward`'s checks, the cut of the flat arrays to `num_tokens` (-1: whole),
+    `_shape_into`, then `_prep`. Returns `(status, chunked, nblocks, tail entries, cross, min
+    slot, ids, positions, slots)`, the last three the cut lengths."""
+    n = num_reqs
+    if n > seen.shape[0]:
+        return _TOO_MANY_ROWS, 0, 0, 0, False, np.int64(0), 0, 0, 0
+    if min(qsl.shape[0] - 1, computed.shape[0], prompt.shape[0]) < n:
+        return _SHORT_ARRAYS, 0, 0, 0, False, np.int64(0), 0, 0, 0
+    ni, npos, ns = ids.shape[0], pos.shape[0], slots.shape[0]
+    if num_tokens >= 0:
+        ni, npos, ns = min(ni, num_tokens), min(npos, num_tokens), min(ns, num_tokens)
+    if 3 * n + ni + npos + ns > out.shape[0] or n * bt.shape[1] + ns > tail.shape[0]:
+        return _GROW_BUFFERS, 0, 0, 0, False, np.int64(0), ni, npos, ns
+    cut = slots[:ns]
+    need, chunked = _shape_into(qsl, computed, prompt, n, ids[:ni], pos[:npos], cut, out)
     nblocks = max(np.int64(1), min(-(-need // b), np.int64(bt.shape[1])))
     if nblocks > seen.shape[1]:
-        return chunked, nblocks, -1, False, np.int64(0)
-    n = num_reqs
-    k, cross, low = _prep(bt, n, nblocks, out[n : 2 * n], out[2 * n : 3 * n], slots, b, table,
+        return _GROW_TABLE, chunked, nblocks, 0, False, np.int64(0), ni, npos, ns
+    k, cross, low = _prep(bt, n, nblocks, out[n : 2 * n], out[2 * n : 3 * n], cut, b, table,
                           seen, owner, listed, tail)  # fmt: skip
-    return chunked, nblocks, k, cross, low
+    return _DONE, chunked, nblocks, k, cross, low, ni, npos, ns
 
 
 class StepPrep:
@@ -166,6 +185,23 @@ class StepPrep:
         self.table = np.zeros((self._rows + 1, cols * self.block_size), dtype=np.int64)
         self._seen = np.zeros((self._rows, cols), dtype=np.int64)
 
+    def _make_room(self, status: int, n: int, cols: int, flat: int, ns: int,
+                   nblocks: int) -> None:  # fmt: skip
+        """What a `_forward` status other than `_DONE` asks for: larger buffers, a wider table,
+        or (rows the table or the batch arrays do not have) a `ValueError`."""
+        if status == _TOO_MANY_ROWS:
+            raise ValueError(f"kv-canary: {n} rows exceed the block table's "
+                             f"{self._seen.shape[0]}")  # fmt: skip
+        if status == _SHORT_ARRAYS:
+            raise ValueError(f"kv-canary: the runner's batch arrays are shorter than its "
+                             f"{n} rows")  # fmt: skip
+        if status == _GROW_BUFFERS:
+            self._out = np.empty(max(3 * n + flat, 2 * len(self._out)), dtype=np.int64)
+            self._tail = np.empty(max(n * cols + ns, 2 * len(self._tail)), dtype=np.int64)
+        else:  # wider than the table so far
+            self._grow(min(cols, max(nblocks, 2 * self._seen.shape[1])))
+        self._view_key = ()
+
     def forward(self, block_table: npt.NDArray[np.integer[Any]], num_reqs: int,
                 query_start_loc: npt.NDArray[np.integer[Any]],
                 num_computed: npt.NDArray[np.integer[Any]],
@@ -187,34 +223,19 @@ class StepPrep:
 
         The view's arrays are this object's buffers, overwritten by the next call; a call with
         the same shapes and truth table returns the same view object, refilled."""
-        if num_reqs > self._seen.shape[0]:
-            raise ValueError(f"kv-canary: {num_reqs} rows exceed the block table's "
-                             f"{self._seen.shape[0]}")  # fmt: skip
-        if min(len(query_start_loc) - 1, len(num_computed), len(num_prompt)) < num_reqs:
-            raise ValueError(f"kv-canary: the runner's batch arrays are shorter than its "
-                             f"{num_reqs} rows")  # fmt: skip
-        if num_tokens is not None:
-            input_ids, positions, slots = (input_ids[:num_tokens], positions[:num_tokens],
-                                           slots[:num_tokens])  # fmt: skip
-        n, ni, npos, ns = num_reqs, len(input_ids), len(positions), len(slots)
-        size = 3 * n + ni + npos + ns
-        if size > len(self._out) or n * block_table.shape[1] + ns > len(self._tail):
-            self._out = np.empty(max(size, 2 * len(self._out)), dtype=np.int64)
-            self._tail = np.empty(max(n * block_table.shape[1] + ns, 2 * len(self._tail)),
-                                  dtype=np.int64)  # fmt: skip
-            self._view_key = ()
-        out, tail = self._out, self._tail
-        chunked, nblocks, k, cross, low = _forward(
-            block_table, query_start_loc, num_computed, num_prompt, n, input_ids, positions,
-            slots, self.block_size, out, self.table, self._seen, self._owner, self._listed, tail,
-        )  # fmt: skip
-        if k < 0:  # wider than the table so far: grow it, then the same pass over the rows
-            self._grow(min(block_table.shape[1], max(nblocks, 2 * self._seen.shape[1])))
-            k, cross, low = _prep(block_table, n, nblocks, out[n : 2 * n], out[2 * n : 3 * n],
-                                  slots, self.block_size, self.table, self._seen, self._owner,
-                                  self._listed, tail)  # fmt: skip
-            self._view_key = ()
-        self.tail_blocks, self.cross, self.min_slot = tail[:k], bool(cross), int(low)
+        n = num_reqs
+        cut = -1 if num_tokens is None else num_tokens
+        while True:  # one call unless a buffer or the table must grow first
+            status, chunked, nblocks, k, cross, low, ni, npos, ns = _forward(
+                block_table, query_start_loc, num_computed, num_prompt, n, input_ids, positions,
+                slots, cut, self.block_size, self._out, self.table, self._seen, self._owner,
+                self._listed, self._tail,
+            )  # fmt: skip
+            if status == _DONE:
+                break
+            self._make_room(status, n, block_table.shape[1], ni + npos + ns, ns, nblocks)
+        out = self._out
+        self.tail_blocks, self.cross, self.min_slot = self._tail[:k], bool(cross), int(low)
         self.chunked = int(chunked)
         key = (n, ni, npos, ns, truth_tokens)
         if key == self._view_key and self._view is not None:

@@ -252,8 +252,11 @@ class CanaryWorker:
             if view is None:
                 return
             assert self._prep is not None
-            self._waves = split_waves(view) if self._prep.cross else [view]
-            self.split_forwards += len(self._waves) > 1
+            if self._prep.cross:
+                self._waves = split_waves(view)
+                self.split_forwards += len(self._waves) > 1
+            else:
+                self._waves = [view]
             if self._mirror is not None and canary.perturbed:  # HEAD folds no real KV: no re-gather
                 self._with_flips(self._tail_blocks, canary.pre_forward, view=self._waves[0])
             else:
@@ -291,26 +294,36 @@ class CanaryWorker:
                 self._tail_waves(waves)
             if self._runner_hooks is not None:
                 self._runner_hooks.after_forward(runner=self.runner, step=canary.step)
-            if snapshot is not None:
-                self.walker.snapshot = snapshot
-                if swept is not None and not early:
-                    mirror.refresh(swept)  # after the hooks: the bytes the sweep reads
-            sweeps = canary.sweep_passes
-            walks = self.walker.walks
-            try:
-                if flips:
-                    self._with_flips(swept, canary.end_step)
-                else:
-                    canary.end_step()
-            finally:
-                self.walker.snapshot = None
-                self.figures.sweeps += int(
-                    self.walker.walks > walks and canary.sweep_passes > sweeps
-                )
+            if snapshot is None:  # no walk to count (a sweep due now walks nothing)
+                canary.end_step()
+            else:
+                self._end_step_walking(snapshot, swept, early, flips)
         finally:
             self.figures.forwards += 1
             self._collect()
             self.canary_seconds += time.perf_counter() - t0
+
+    def _end_step_walking(self, snapshot: BlockSnapshot, swept: np.ndarray | None, early: bool,
+                          flips: bool) -> None:  # fmt: skip
+        """The canary's end of step with `snapshot` bound to the walker; counts a sweep that
+        walked it. `swept`: the sweep's blocks when a mirror needs them, gathered with TAIL's
+        (`early`) or here, after the runner hooks (the bytes the sweep reads)."""
+        canary = self.canary
+        assert canary is not None
+        walker = self.walker
+        walker.snapshot = snapshot
+        if swept is not None and not early:
+            assert self._mirror is not None
+            self._mirror.refresh(swept)
+        sweeps, walks = canary.sweep_passes, walker.walks
+        try:
+            if flips:
+                self._with_flips(swept, canary.end_step)
+            else:
+                canary.end_step()
+        finally:
+            walker.snapshot = None
+            self.figures.sweeps += int(walker.walks > walks and canary.sweep_passes > sweeps)
 
     def _tail_waves(self, waves: list[ForwardView]) -> None:
         """TAIL of the first wave, then HEAD and TAIL of each later wave."""
@@ -339,16 +352,16 @@ class CanaryWorker:
         arrays = self._arrays
         if arrays is None or arrays.batch is not ib:
             arrays = self._arrays = RunnerArrays.of(runner)
-        num_reqs = int(ib.num_reqs)
+            if self._prep is None:
+                self._prep = StepPrep(arrays.table, self.block_size, self.num_blocks)
+        num_reqs = ib.num_reqs  # a len()
         if num_reqs == 0:
             return None
         qsl = arrays.query_start_loc
         total = int(qsl[num_reqs])
         if total == 0:
             return None
-        mapping = None
-        if isinstance(slot_mapping, dict) and slot_mapping:
-            mapping = slot_mapping.get(self._layer0)
+        mapping = slot_mapping.get(self._layer0) if isinstance(slot_mapping, dict) else None
         if not isinstance(mapping, torch.Tensor):
             mapping = arrays.block_table.slot_mapping.cpu
         truth = None
@@ -360,17 +373,17 @@ class CanaryWorker:
                     or truth.tokens is not arrays.token_ids):  # fmt: skip
                 truth = self._truth = TruthTable(arrays.token_ids, arrays.num_tokens[:num_reqs])
         self.last_request_ids = ib.req_ids[:num_reqs]
-        table = arrays.table
-        if self._prep is None:
-            self._prep = StepPrep(table, self.block_size, self.num_blocks)
+        prep = self._prep
+        assert prep is not None
         # one compiled call: batch shape, the view's int64 arrays, req_to_token, the wave test
         # (what `view.build_forward_view` builds, tests/adapters/test_vllm_incremental.py)
-        view = self._prep.forward(
-            table, num_reqs, qsl, arrays.num_computed, arrays.num_prompt, arrays.input_ids,
-            arrays.positions, self._host.prefix(mapping, total), truth, num_tokens=total,
+        view = prep.forward(
+            arrays.table, num_reqs, qsl, arrays.num_computed, arrays.num_prompt,
+            arrays.input_ids, arrays.positions, self._host.prefix(mapping, total), truth, total,
         )  # fmt: skip
-        self.chunked_prefill_rows += self._prep.chunked
-        self._tail_blocks = self._prep.tail_blocks if self._mirror is not None else None
+        self.chunked_prefill_rows += prep.chunked
+        if self._mirror is not None:
+            self._tail_blocks = prep.tail_blocks
         return view
 
     # ------------------------------------------------------------------ figures
