@@ -7,6 +7,7 @@ snapshot walker's array equals its tuples (no vLLM needed)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -185,3 +186,41 @@ def test_one_call_forward_equals_build_forward_view(seed: int, b: int) -> None:
         if not fast.cross:
             assert len(split_waves(got)) == 1
         assert (fast._owner == -1).all() and not fast._listed.any()
+
+
+def test_forward_cuts_flat_arrays_to_num_tokens_and_keeps_short_ones_short() -> None:
+    """`num_tokens` cuts each flat array to its first entries inside the compiled call (the
+    runner's buffers are longer than a step), while an array shorter than that keeps its own
+    length (the canary then reports the mismatch); the view's buffers grow when a step needs
+    more room, and a later step with the old shapes gets a view of the same size again."""
+    b = 2
+    bt = np.zeros((ROWS, MAX_BLOCKS), dtype=np.int32)
+    bt[0, :2] = [3, 4]
+    prep = StepPrep(bt, b, NUM_BLOCKS)
+    qsl = np.array([0, 2] + [0] * ROWS, dtype=np.int32)
+    ids = np.arange(100, 164, dtype=np.int32)  # a whole runner buffer
+    pos = np.arange(64, dtype=np.int64)
+    slots = np.array([6, 7, 99, 98], dtype=np.int64)
+    view = prep.forward(bt, 1, qsl, np.array([0]), np.array([2]), ids, pos, slots, None, 2)
+    assert view.input_ids.tolist() == [100, 101] and view.positions.tolist() == [0, 1]
+    assert view.out_slots.tolist() == [6, 7]
+    short = prep.forward(bt, 1, qsl, np.array([0]), np.array([2]), ids[:1], pos, slots, None, 2)
+    assert short.input_ids.tolist() == [100] and len(short.positions) == 2
+    wide = prep.forward(bt, 1, qsl, np.array([0]), np.array([2]), ids, pos, slots[:2])
+    assert len(wide.input_ids) == 64 and wide.out_slots.tolist() == [6, 7]
+    again = prep.forward(bt, 1, qsl, np.array([0]), np.array([2]), ids, pos, slots, None, 2)
+    assert again.input_ids.tolist() == [100, 101] and again.out_slots.tolist() == [6, 7]
+
+
+def test_forward_names_a_batch_the_block_table_or_the_runner_arrays_cannot_hold() -> None:
+    """More rows than the block table has, or batch arrays shorter than the rows: one
+    `ValueError` naming the count, before anything is written."""
+    bt = np.zeros((2, MAX_BLOCKS), dtype=np.int32)
+    prep = StepPrep(bt, 2, NUM_BLOCKS)
+    one = np.zeros(1, dtype=np.int64)
+    qsl = np.zeros(4, dtype=np.int32)
+    with pytest.raises(ValueError, match="3 rows exceed the block table's 2"):
+        prep.forward(bt, 3, qsl, np.zeros(3), np.zeros(3), one, one, one)
+    with pytest.raises(ValueError, match="shorter than its 2 rows"):
+        prep.forward(bt, 2, qsl, np.zeros(1), np.zeros(2), one, one, one)
+    assert (prep.table == 0).all() and (prep._seen == 0).all()
