@@ -56,6 +56,7 @@ class PackedForward(NamedTuple):
     linear_chain: bool  # the view's
     chain_position: bool  # the chain-position assert runs (enabled, and a linear chain)
     staged: bool  # HEAD ran inside the call (else: too large for one thread)
+    recorded: int  # the ring rows HEAD recorded in the scratch (staged only)
     req_to_token: npt.NDArray[np.integer[Any]]
     truth: npt.NDArray[np.integer[Any]]
 
@@ -195,11 +196,11 @@ class FusedForward:
                 break
         if status > _GROW_SCRATCH:
             return None
-        _, _, nr, nt, nw, nv, total_v, overflow, shadowed, writes, _ = out
+        _, _, nr, nt, nw, nv, total_v, overflow, shadowed, writes, recorded = out
         packed = self._packed
         return PackedForward(
             packed, nr, nt, nw, nv, total_v, overflow, shadowed, writes, linear_chain,
-            chain_position, status == _DONE, kept.r2t,
+            chain_position, status == _DONE, recorded, kept.r2t,
             kept.truth if kept.has_truth else np.zeros((nr, 0), dtype=np.int64),
         )  # fmt: skip
 
@@ -235,13 +236,14 @@ class FusedForward:
             self._kept = checked
         return checked
 
-    def tail(self, fwd: PackedForward) -> None:
-        """The TAIL stage of a staged forward (its rows in the scratch)."""
+    def tail(self, fwd: PackedForward) -> int:
+        """The TAIL stage of a staged forward (its rows in the scratch); returns how many."""
         scratch = self._scratch
-        self._tail_kernel(
+        recorded: int = self._tail_kernel(
             fwd.packed, fwd.nr, fwd.nt, fwd.nw, fwd.nv, fwd.overflow, fwd.shadowed,
             fwd.chain_position, *self._tail, scratch.words, scratch.state,
         )  # fmt: skip
+        return recorded
 
     def sweep(self, walked: I64) -> bool:
         """Verify a walk (`[n, 3]` int64, from `view_checks.walker_entries`) in the TAIL buffer

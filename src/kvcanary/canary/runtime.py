@@ -242,8 +242,8 @@ class Canary:
         opened, self._open = self._open, None
         if isinstance(opened, PackedForward):
             assert self._fused is not None
-            self._fused.tail(opened)
-            if self._fused_stage_done(self._fused.tail_tag, opened):
+            recorded = self._fused.tail(opened)
+            if self._fused_stage_done(self._fused.tail_tag, opened, recorded):
                 self._pump()
         else:
             self._run_stage("tail", opened.snapshot, opened.plans)
@@ -409,19 +409,20 @@ class Canary:
                 self._pump()
             else:
                 assert self._fused is not None
-                if self._fused_stage_done(self._fused.head_tag, fwd):
+                if self._fused_stage_done(self._fused.head_tag, fwd, fwd.recorded):
                     self._pump()
         except CanaryViolationError:
             self._open = None  # the forward will not run
             raise
 
-    def _fused_stage_done(self, tag: LaunchTag, fwd: PackedForward) -> bool:
+    def _fused_stage_done(self, tag: LaunchTag, fwd: PackedForward, recorded: int) -> bool:
         """A fused stage's bookkeeping, as `_run_stage` keeps it for a fused serial launch.
-        True when the pass recorded rows: only then has the ring anything to pump (every other
-        entry point pumps what it records before it returns)."""
+        True when the pass recorded rows (`recorded`, the kernel's count): only then has the
+        ring anything to pump (every other entry point pumps what it records before it
+        returns)."""
         self.kernel_run_counter[tag] += 2  # a verify (or its overflow skip) and a write
         self.slot_run_counter[tag] += fwd.nv + fwd.writes
-        if not self._pass_rows.state[0]:
+        if not recorded:
             return False  # a clean pass: nothing to take
         self.ring.absorb(self._pass_rows.take())
         return True

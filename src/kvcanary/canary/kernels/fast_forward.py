@@ -80,8 +80,8 @@ def forward_head(  # type: ignore[no-untyped-def]
     kept across calls: a returned array would be boxed on every call), then run its HEAD stage
     (`stage_serial`, rows into `ring`/`state`, reset first) when it is small. Returns
     `(status, value, rows, tokens, writes, verify entries, total_v, overflow, shadowed,
-    records written, verified)`: `value` is the scratch rows (`GROW_SCRATCH`) or packed entries
-    (`GROW_PACKED`) needed, `verified` the ring rows of the verify (`DONE`)."""
+    records written, recorded)`: `value` is the scratch rows (`GROW_SCRATCH`) or packed entries
+    (`GROW_PACKED`) needed, `recorded` the ring rows the stage recorded (`DONE`; else 0)."""
     nr = rows.shape[0]
     nt = input_ids.shape[0]
     none = np.empty(0, dtype=np.int64)
@@ -128,7 +128,7 @@ def forward_head(  # type: ignore[no-untyped-def]
         writes += w_slots[i] >= 0
     status = DONE
     value = 0
-    verified = 0
+    recorded = 0
     if nv + nw >= serial_limit:
         status = PLAN_ONLY
     elif nv + 2 * nw > ring.shape[0]:  # a verify row per entry, two write rows per entry
@@ -136,12 +136,13 @@ def forward_head(  # type: ignore[no-untyped-def]
         value = nv + 2 * nw
     else:
         state[0] = 0
-        verified = stage_serial(
+        stage_serial(
             buf, v_slot, v_prev, v_pos, v_tok, not overflow, seeds, req_offsets, w_slots,
             shadowed, input_ids, positions, _no_assert(nr), none, none, chain_position, s0, s1, s2, s3,
             params, count, tag, ring, state,
         )  # fmt: skip
-    return status, value, nr, nt, nw, nv, total_v, overflow, shadowed, writes, verified
+        recorded = state[0]
+    return status, value, nr, nt, nw, nv, total_v, overflow, shadowed, writes, recorded
 
 
 @njit(cache=True)
@@ -150,7 +151,7 @@ def forward_tail(  # type: ignore[no-untyped-def]
     count, tag, ring, state,
 ):  # fmt: skip
     """The TAIL stage of a plan `forward_head` packed (the scratch ring sized by it), rows
-    into `ring`/`state` (reset first); returns the ring rows of the verify."""
+    into `ring`/`state` (reset first); returns the ring rows the stage recorded."""
     none = np.empty(0, dtype=np.int64)
     ids = packed[4 * nr : 4 * nr + nt]
     pos = packed[4 * nr + nt : 4 * nr + 2 * nt]
@@ -162,12 +163,13 @@ def forward_tail(  # type: ignore[no-untyped-def]
     w_slots = packed[k : k + nw]
     k += nw
     state[0] = 0
-    return stage_serial(
+    stage_serial(
         buf, packed[k : k + nv], packed[k + nv : k + 2 * nv], packed[k + 2 * nv : k + 3 * nv],
         packed[k + 3 * nv : k + 4 * nv], not overflow, seeds, req_offsets, w_slots, shadowed,
         ids, pos, _no_assert(nr), none, none, chain_position, s0, s1, s2, s3, params, count, tag, ring,
         state,
     )  # fmt: skip
+    return state[0]
 
 
 @njit(cache=True)
