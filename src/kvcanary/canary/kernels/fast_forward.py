@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvcanary.canary.kernels.fast_plan import build_plan
+from kvcanary.canary.kernels.fast_plan import plan_sizes, plan_verifies, plan_writes
 from kvcanary.canary.kernels.fast_stage import stage_serial
 from kvcanary.canary.kernels.fast_verify import verify_serial
 
@@ -97,32 +97,46 @@ def forward_head(  # type: ignore[no-untyped-def]
             if truth_lens[r] < 0:
                 return FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
             lens[r] = truth_lens[r]
-    req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, overflow, err, shadowed = (
-        build_plan(rows, prefix, extend, r2t, out_slots, lut, use_lut, window, num_slots, truth,
-                   lens, offset, verify_capacity, marks)
-    )  # fmt: skip
-    if err[0] != 0:
-        return FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
-    nw, nv = w_slots.shape[0], v_slot.shape[0]
-    size = 4 * nr + 3 * nt + 2 * nr + 1 + nw + 4 * nv
-    if size > packed.shape[0]:
-        return GROW_PACKED, size, 0, 0, 0, 0, 0, False, False, 0, 0
+    # the plan goes straight into `packed` (no arrays of its own, no copy): the view's parts
+    # first, then `req_offsets | seeds`, and once their totals are known the write and verify
+    # plans; on a fallback `packed` holds garbage, which nothing reads
     k = 0
+    head = 4 * nr + 3 * nt + 2 * nr + 1
+    if head > packed.shape[0]:
+        return GROW_PACKED, head, 0, 0, 0, 0, 0, False, False, 0, 0
     for arr in (rows, prefix, extend, lens):
         packed[k : k + nr] = arr
         k += nr
     for arr in (input_ids, positions, out_slots):
         packed[k : k + nt] = arr
         k += nt
-    packed[k : k + nr + 1] = req_offsets
-    k += nr + 1
-    packed[k : k + nr] = seeds
-    k += nr
-    packed[k : k + nw] = w_slots
-    k += nw
-    for arr in (v_slot, v_prev, v_pos, v_tok):
-        packed[k : k + nv] = arr
-        k += nv
+    req_offsets = packed[k : k + nr + 1]
+    seeds = packed[k + nr + 1 : head]
+    req_offsets[0] = 0
+    seeds[:] = -1
+    err = np.zeros(2, dtype=np.int64)
+    total_v = plan_sizes(rows, prefix, extend, r2t, out_slots, lut, use_lut, window, num_slots,
+                         req_offsets, seeds, err)  # fmt: skip
+    if err[0] != 0:
+        return FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
+    nw = req_offsets[nr]
+    overflow = total_v > verify_capacity
+    nv = 0 if overflow else total_v
+    size = head + nw + 4 * nv
+    if size > packed.shape[0]:
+        return GROW_PACKED, size, 0, 0, 0, 0, 0, False, False, 0, 0
+    w_slots = packed[head : head + nw]
+    shadowed = plan_writes(out_slots, lut, use_lut, num_slots, marks, w_slots, err)
+    if err[0] != 0:
+        return FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
+    v0 = head + nw
+    v_slot, v_prev = packed[v0 : v0 + nv], packed[v0 + nv : v0 + 2 * nv]
+    v_pos, v_tok = packed[v0 + 2 * nv : v0 + 3 * nv], packed[v0 + 3 * nv : size]
+    if not overflow:
+        plan_verifies(rows, prefix, r2t, lut, use_lut, window, num_slots, truth, lens, offset,
+                      v_slot, v_prev, v_pos, v_tok, err)  # fmt: skip
+        if err[0] != 0:
+            return FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
     writes = 0
     for i in range(nw):
         writes += w_slots[i] >= 0

@@ -86,27 +86,24 @@ def _shadowed_writes(w_slots, marks):  # type: ignore[no-untyped-def]
     return dup
 
 
-@njit(cache=True)
-def build_plan(  # type: ignore[no-untyped-def]
-    rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window, num_slots,
-    truth, truth_lens, offset, verify_capacity, marks,
+@internal
+def plan_sizes(  # type: ignore[no-untyped-def]
+    rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window, num_slots, req_offsets,
+    seeds, err,
 ):  # fmt: skip
-    """See `kernels.reference.build_plan`."""
+    """`build_plan`'s first pass, into the caller's arrays: `req_offsets` (`nrows + 1`; entry 0
+    must be 0), `seeds` (`nrows`, all -1 on entry) and the row checks. Returns the verify total
+    (`total_v`); on an error `err` holds `(kind, value)` and the return is 0."""
     nrows = rows.shape[0]
-    ncols = r2t.shape[1]
-    err = np.zeros(2, dtype=np.int64)
-    req_offsets = np.zeros(nrows + 1, dtype=np.int64)
     for r in range(nrows):
         wl = max(extend_lens[r], 0) if rows[r] != 0 else 0
         req_offsets[r + 1] = req_offsets[r] + wl
     total_w = req_offsets[nrows]
-    seeds = np.full(nrows, -1, dtype=np.int64)
-    empty = np.empty(0, dtype=np.int64)
-    bad_row = _rows_fit(rows, prefix_lens, req_offsets, r2t.shape[0], ncols)
+    bad_row = _rows_fit(rows, prefix_lens, req_offsets, r2t.shape[0], r2t.shape[1])
     if bad_row >= 0 or total_w > out_slots.shape[0]:
         err[0] = _ROW_RANGE
         err[1] = bad_row
-        return req_offsets, seeds, empty, empty, empty, empty, empty, 0, False, err, False
+        return 0
     total_v = 0
     for r in range(nrows):
         if rows[r] == 0:
@@ -117,41 +114,39 @@ def build_plan(  # type: ignore[no-untyped-def]
             if kind != _OK:
                 err[0] = kind
                 err[1] = s
-                return req_offsets, seeds, empty, empty, empty, empty, empty, 0, False, err, False
+                return 0
             seeds[r] = -1 if s == 0 else s
         if prefix_lens[r] > 0:
             total_v += prefix_lens[r] - max(0, prefix_lens[r] - window)
-    w_slots = np.empty(total_w, dtype=np.int64)
-    for i in range(total_w):
+    return total_v
+
+
+@internal
+def plan_writes(out_slots, lut, use_lut, num_slots, marks, w_slots, err):  # type: ignore[no-untyped-def]
+    """`build_plan`'s write plan into `w_slots` (its length is the write total): each slot
+    translated and range-checked. Returns whether two entries write one slot; on an error
+    `err` holds `(kind, value)` and `marks` is untouched."""
+    for i in range(w_slots.shape[0]):
         s, kind = _translate(out_slots[i], lut, use_lut, num_slots, True)
         if kind != _OK:
             err[0] = kind
             err[1] = s
-            return req_offsets, seeds, empty, empty, empty, empty, empty, 0, False, err, False
+            return False
         w_slots[i] = s
-    shadowed = _shadowed_writes(w_slots, marks)
-    overflow = total_v > verify_capacity
-    n = 0 if overflow else total_v
-    v_slot = np.empty(n, dtype=np.int64)
-    v_prev = np.empty(n, dtype=np.int64)
-    v_pos = np.empty(n, dtype=np.int64)
-    v_tok = np.empty(n, dtype=np.int64)
-    if overflow:
-        return (
-            req_offsets,
-            seeds,
-            w_slots,
-            v_slot,
-            v_prev,
-            v_pos,
-            v_tok,
-            total_v,
-            True,
-            err,
-            shadowed,
-        )
+    return _shadowed_writes(w_slots, marks)
+
+
+@internal
+def plan_verifies(  # type: ignore[no-untyped-def]
+    rows, prefix_lens, r2t, lut, use_lut, window, num_slots, truth, truth_lens, offset, v_slot,
+    v_prev, v_pos, v_tok, err,
+):  # fmt: skip
+    """`build_plan`'s verify plan into `v_slot .. v_tok` (their length is the verify total):
+    every attended slot and its predecessor translated and range-checked. On an error `err`
+    holds `(kind, value)`."""
+    ncols = r2t.shape[1]
     k = 0
-    for r in range(nrows):
+    for r in range(rows.shape[0]):
         if rows[r] == 0:
             continue
         row = rows[r]
@@ -176,13 +171,48 @@ def build_plan(  # type: ignore[no-untyped-def]
             if kind != _OK or kind2 != _OK:
                 err[0] = kind if kind != _OK else kind2
                 err[1] = s if kind != _OK else p
-                return req_offsets, seeds, w_slots, empty, empty, empty, empty, 0, False, err, False
+                return
             t = pos + offset
             v_slot[k] = s
             v_prev[k] = p
             v_pos[k] = pos
             v_tok[k] = truth[r, t] if 0 <= t < limit else -1
             k += 1
+
+
+@njit(cache=True)
+def build_plan(  # type: ignore[no-untyped-def]
+    rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window, num_slots,
+    truth, truth_lens, offset, verify_capacity, marks,
+):  # fmt: skip
+    """See `kernels.reference.build_plan`: `plan_sizes`, `plan_writes` and `plan_verifies` into
+    arrays of their own."""
+    nrows = rows.shape[0]
+    err = np.zeros(2, dtype=np.int64)
+    req_offsets = np.zeros(nrows + 1, dtype=np.int64)
+    seeds = np.full(nrows, -1, dtype=np.int64)
+    empty = np.empty(0, dtype=np.int64)
+    total_v = plan_sizes(rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window,
+                         num_slots, req_offsets, seeds, err)  # fmt: skip
+    if err[0] != 0:
+        return req_offsets, seeds, empty, empty, empty, empty, empty, 0, False, err, False
+    w_slots = np.empty(req_offsets[nrows], dtype=np.int64)
+    shadowed = plan_writes(out_slots, lut, use_lut, num_slots, marks, w_slots, err)
+    if err[0] != 0:
+        return req_offsets, seeds, empty, empty, empty, empty, empty, 0, False, err, False
+    overflow = total_v > verify_capacity
+    n = 0 if overflow else total_v
+    v_slot = np.empty(n, dtype=np.int64)
+    v_prev = np.empty(n, dtype=np.int64)
+    v_pos = np.empty(n, dtype=np.int64)
+    v_tok = np.empty(n, dtype=np.int64)
+    if overflow:
+        return (req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, True, err,
+                shadowed)  # fmt: skip
+    plan_verifies(rows, prefix_lens, r2t, lut, use_lut, window, num_slots, truth, truth_lens,
+                  offset, v_slot, v_prev, v_pos, v_tok, err)  # fmt: skip
+    if err[0] != 0:
+        return req_offsets, seeds, w_slots, empty, empty, empty, empty, 0, False, err, False
     return req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, False, err, shadowed
 
 
