@@ -226,22 +226,33 @@ def build_plan_packed(  # type: ignore[no-untyped-def]
     overflow, err kind, err value, shadowed, records written)`. Each array handed back to Python
     costs a boxing (about 0.3 us apiece, measured); one buffer and its slices cost a third of
     eight arrays."""
-    req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, overflow, err, shadowed = (
-        build_plan(rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window,
-                   num_slots, truth, truth_lens, offset, verify_capacity, marks)
-    )  # fmt: skip
-    nr, nw, nv = seeds.shape[0], w_slots.shape[0], v_slot.shape[0]
-    buf = np.empty(2 * nr + 1 + nw + 4 * nv, dtype=np.int64)
-    buf[: nr + 1] = req_offsets
-    k = nr + 1
-    buf[k : k + nr] = seeds
-    k += nr
-    buf[k : k + nw] = w_slots
-    k += nw
-    for arr in (v_slot, v_prev, v_pos, v_tok):
-        buf[k : k + nv] = arr
-        k += nv
+    nr = rows.shape[0]
+    err = np.zeros(2, dtype=np.int64)
+    head = np.zeros(2 * nr + 1, dtype=np.int64)  # req_offsets | seeds, before the totals are known
+    head[nr + 1 :] = -1
+    total_v = plan_sizes(rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window,
+                         num_slots, head[: nr + 1], head[nr + 1 :], err)  # fmt: skip
+    if err[0] != 0:
+        return head, nr, 0, 0, 0, False, err[0], err[1], False, 0
+    h = 2 * nr + 1
+    nw = head[nr]
+    overflow = total_v > verify_capacity
+    nv = 0 if overflow else total_v
+    buf = np.empty(h + nw + 4 * nv, dtype=np.int64)  # the plan is written here, not copied
+    buf[:h] = head
+    w_slots = buf[h : h + nw]
+    shadowed = plan_writes(out_slots, lut, use_lut, num_slots, marks, w_slots, err)
+    if err[0] != 0:
+        return buf[:h], nr, 0, 0, 0, False, err[0], err[1], False, 0
     writes = 0
     for i in range(nw):
         writes += w_slots[i] >= 0
-    return buf, nr, nw, nv, total_v, overflow, err[0], err[1], shadowed, writes
+    if overflow:
+        return buf, nr, nw, 0, total_v, True, 0, 0, shadowed, writes
+    v = h + nw
+    plan_verifies(rows, prefix_lens, r2t, lut, use_lut, window, num_slots, truth, truth_lens,
+                  offset, buf[v : v + nv], buf[v + nv : v + 2 * nv], buf[v + 2 * nv : v + 3 * nv],
+                  buf[v + 3 * nv :], err)  # fmt: skip
+    if err[0] != 0:
+        return buf[:v], nr, nw, 0, 0, False, err[0], err[1], False, writes
+    return buf, nr, nw, nv, total_v, False, 0, 0, shadowed, writes
