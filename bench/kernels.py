@@ -8,7 +8,9 @@ For N slots in random and in sequential order this measures ns/slot of
 * `fast.write` writing the same N slots (seeds -1, one chain per request, write assert off,
   chain_position on; no real-KV sources);
 
-and compares each with a floor measured in the same process, for either order: a numba
+on the canary's own record buffer (`records.new_record_buffer`: 64-byte aligned, so no record
+straddles two cache lines), and compares each with a floor measured in the same process, for
+either order: a numba
 `parallel=True` / `prange` loop (the kernels' threading, so a thread pool stalled by other load
 stalls both alike) that only gathers the same 32-byte record rows in the same order (verify
 floor) or scatters 32-byte rows to the same slots (write floor). For the sequential order the
@@ -38,6 +40,7 @@ from numba import njit, prange, uint64
 
 from kvcanary.canary.kernels import fast
 from kvcanary.canary.kernels._intrinsics import wide_vectors_wanted
+from kvcanary.canary.records import new_record_buffer, record_words
 from kvcanary.canary.sources import FoldSources
 
 TARGET = 2.0
@@ -110,7 +113,8 @@ def bench_order(name: str, order: np.ndarray, args: argparse.Namespace) -> dict[
     n = order.shape[0]
     rng = np.random.default_rng(SEED + 1)
     case = make_case(order, args.requests, rng)
-    buf = np.zeros((n + 1, 4), dtype=np.uint64)  # slot 0 is reserved
+    # the canary's own record buffer (slot 0 is reserved): 64-byte aligned, a row in one line
+    buf = record_words(new_record_buffer(n + 1))
     src = FoldSources.empty()
     ring = np.zeros((64, 8), dtype=np.int64)
     ring_words = ring.view(np.uint64)  # the kernels get the view from the caller
@@ -135,7 +139,8 @@ def bench_order(name: str, order: np.ndarray, args: argparse.Namespace) -> dict[
     if int(state[0]) != 0:
         raise SystemExit(f"bench: {name}: {int(state[0])} violations, expected none")
 
-    scratch = np.ones_like(buf)
+    scratch = record_words(new_record_buffer(n + 1))  # the write floor's: aligned alike
+    scratch[:] = 1
     floors = {
         "floor_verify": lambda: gather_floor(buf, order),
         "floor_write": lambda: scatter_floor(scratch, order),

@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcanary.canary.hashing import HEAD_HASH, fold_one, fold_sources, mix3, splitmix64, to_i64
-from kvcanary.canary.records import new_record_buffer, read_record, record_words
+from kvcanary.canary.records import (
+    CACHE_LINE_BYTES,
+    RECORD_BYTES,
+    new_record_buffer,
+    read_record,
+    record_words,
+)
 
 BYTES_00_0F = bytes(range(16))
 BYTES_10_1F = bytes(range(16, 32))
@@ -65,3 +71,16 @@ def test_record_round_trips_negative_patterns(fields: list[int]) -> None:
     rec = read_record(buf, 1)
     assert [rec.token, rec.position, rec.prev_hash, rec.real_kv_hash] == fields
     assert bytes(buf[1, :8]) == (fields[0] & (2**64 - 1)).to_bytes(8, "little")
+
+
+@given(st.integers(1, 5000))
+def test_record_buffer_rows_each_lie_in_one_cache_line(num_slots: int) -> None:
+    buf = new_record_buffer(num_slots)
+    assert buf.shape == (num_slots, RECORD_BYTES) and buf.dtype == np.uint8
+    assert buf.flags.c_contiguous and buf.flags.writeable and not buf.any()
+    # 64-byte aligned start, 32-byte rows: no record straddles two cache lines
+    assert buf.ctypes.data % CACHE_LINE_BYTES == 0
+    words = record_words(buf)
+    words[:] = np.uint64(0xFFFF_FFFF_FFFF_FFFF)  # every byte is the buffer's own
+    assert words.shape == (num_slots, 4) and bool((buf == 0xFF).all())
+    assert new_record_buffer(0).shape == (0, RECORD_BYTES)  # a pool without slots: no rows
