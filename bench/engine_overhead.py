@@ -88,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--sweep-interval", type=int, default=16)
     p.add_argument("--real-data", default="partial", help="none | partial | all")
+    p.add_argument("--verify-stride", type=int, default=1,
+                   help="the log stack's KVCANARY_VERIFY_STRIDE (docs/spec.md §5.5; default 1)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--threads",
@@ -150,14 +152,15 @@ def make_settings(args: argparse.Namespace, canary: CanaryConfig) -> RunSettings
 
 
 def canary_configs(args: argparse.Namespace) -> dict[str, CanaryConfig]:
-    """`none` and `log` + real data + sweep (no `KVCANARY_*` environment: a fixed bench)."""
+    """`none` and `log` + real data + sweep (no `KVCANARY_*` environment: a fixed bench; only
+    `--verify-stride` reaches the `log` config)."""
     return {
         "none": CanaryConfig.from_args_and_env(kv_canary="none", environ={}),
         "log": CanaryConfig.from_args_and_env(
             kv_canary="log",
             kv_canary_real_data=args.real_data,
             kv_canary_sweep_interval=args.sweep_interval,
-            environ={},
+            environ={"KVCANARY_VERIFY_STRIDE": str(args.verify_stride)},
         ),
     }
 

@@ -93,6 +93,8 @@ BAD: list[tuple[list[str], dict[str, str], str, str]] = [
     (["run"], {"KVCANARY_PERTURB_SEED": "x"}, "KVCANARY_PERTURB_SEED", "'x'"),
     (["run"], {"KVCANARY_PERTURB_SEED": str(2**70)}, "KVCANARY_PERTURB_SEED", str(2**70)),
     (["run"], {"KVCANARY_PERTURB_WARMUP_STEPS": "-1"}, "KVCANARY_PERTURB_WARMUP_STEPS", "-1"),
+    (["run"], {"KVCANARY_VERIFY_STRIDE": "0"}, "KVCANARY_VERIFY_STRIDE", "got 0"),
+    (["check-config"], {"KVCANARY_VERIFY_STRIDE": "65"}, "KVCANARY_VERIFY_STRIDE", "[1, 64]"),
     (["run"], {"KVCANARY_PERTURB_LATE_WRITE_PROB": "2"}, "KVCANARY_PERTURB_LATE_WRITE_PROB", "'2'"),
     (["run"], {"KVCANARY_PERTURB_LATE_WRITE_PROB": "nan"}, "KVCANARY_PERTURB_LATE_WRITE_PROB", "'nan'"),
     (["run"], {"KVCANARY_PERTURB_LATE_WRITE_PROB": "1"}, "KVCANARY_PERTURB_TARGET_GROUP", "explicitly set"),
@@ -109,6 +111,7 @@ BAD: list[tuple[list[str], dict[str, str], str, str]] = [
     (["run"], {"KVCANARY_ENABLE_WRITE_INPUT_ASSERT": "1"}, "--model oracle", "tiny"),
     (["run"], {"KVCANARY_ENABLE_TOKEN_ORACLE": "1"}, "--model oracle", "tiny"),
     (["selftest"], FAULT, "KVCANARY_PERTURB_LATE_WRITE_PROB", "is set"),
+    (["selftest"], {"KVCANARY_VERIFY_STRIDE": "4"}, "KVCANARY_VERIFY_STRIDE=4", "deadlines"),
     # output paths: checked before the run, nothing created
     (["run", "--json", "missing/out.json"], {}, "--json", "missing/out.json"),
     (["run", "--json", "FILE/out.json"], {}, "--json", "FILE/out.json"),

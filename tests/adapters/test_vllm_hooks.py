@@ -143,6 +143,10 @@ def test_connector_config_rejects_unknown_keys_and_takes_recover() -> None:
         config_from({}, {"bogus": 1})
     recover = config_from({}, {"mode": "recover"})
     assert recover.recover and recover.enable_verify_token_assert
+    assert config_from({}, {}).verify_stride == 1
+    assert config_from({"KVCANARY_VERIFY_STRIDE": "2"}, {"verify_stride": 8}).verify_stride == 8
+    with pytest.raises(ValueError, match="KVCANARY_VERIFY_STRIDE=4 cannot be used with kv_canary"):
+        config_from({}, {"mode": "recover", "verify_stride": 4})
 
 
 def test_the_scheduler_recover_path_the_adapter_wraps() -> None:

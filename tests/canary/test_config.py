@@ -41,6 +41,8 @@ def test_defaults() -> None:
     assert (cfg.ring_capacity, cfg.stats_print_every_n_steps) == (1024, 100)
     assert not (cfg.enable_v or cfg.enable_write_input_assert or cfg.enable_verify_token_assert)
     assert cfg.perturb.warmup_steps == 50 and cfg.perturb.seed == 0 and not cfg.perturb.any_enabled
+    assert cfg.verify_stride == 1  # every attended slot, every forward (SPEC §5.1)
+    assert build({"KVCANARY_VERIFY_STRIDE": " 8 "}, kv_canary="raise").verify_stride == 8
 
 
 BAD = [
@@ -58,6 +60,11 @@ BAD = [
     ({}, {"KVCANARY_PERTURB_CANARY_TAMPER_PROB": "1", "KVCANARY_PERTURB_TARGET_GROUP": "any"}, "kv-canary: KVCANARY_PERTURB_TARGET_GROUP must be one of 'full' / 'swa', got 'any'"),
     ({}, {"KVCANARY_PERTURB_REAL_KV_USED_PROB": "0.5", "KVCANARY_PERTURB_TARGET_GROUP": "full"}, "kv-canary: real-KV perturb modes require --kv-canary-real-data partial or all"),
     ({}, {"KVCANARY_PERTURB_NEXT_TOKEN_SWAP_PROB": "1"}, "kv-canary: KVCANARY_PERTURB_NEXT_TOKEN_SWAP_PROB > 0 requires KVCANARY_ENABLE_WRITE_INPUT_ASSERT=1"),
+    ({}, {"KVCANARY_VERIFY_STRIDE": "0"}, "kv-canary: KVCANARY_VERIFY_STRIDE must be an integer in [1, 64], got 0; set it to 1 to verify every attended slot every forward"),
+    ({}, {"KVCANARY_VERIFY_STRIDE": "65"}, "kv-canary: KVCANARY_VERIFY_STRIDE must be an integer in [1, 64], got 65; set it to 1 to verify every attended slot every forward"),
+    ({}, {"KVCANARY_VERIFY_STRIDE": "two"}, "kv-canary: KVCANARY_VERIFY_STRIDE must be an integer, got 'two'"),
+    (dict(kv_canary="recover"), {"KVCANARY_VERIFY_STRIDE": "4"}, "kv-canary: KVCANARY_VERIFY_STRIDE=4 cannot be used with kv_canary=recover (recover must verify every attended slot before each forward); set KVCANARY_VERIFY_STRIDE=1"),
+    ({}, {"KVCANARY_VERIFY_STRIDE": "2", "KVCANARY_PERTURB_REQ_TO_TOKEN_PROB": "0.5"}, "kv-canary: KVCANARY_VERIFY_STRIDE=2 cannot be combined with fault injection (its detection deadlines assume every slot verified each forward); set KVCANARY_VERIFY_STRIDE=1"),
 ]  # fmt: skip
 
 

@@ -125,6 +125,7 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
         "serial_limit": ([runtime.SERIAL_LAUNCH_ENTRIES] * 2 + [1, 4])[int(rng.integers(0, 4))],
         "forwards": forwards,
         "refill": refill,
+        "stride": [1, 1, 2, 3][int(rng.integers(0, 4))],
     }
 
 
@@ -182,7 +183,8 @@ def outcome(kernels: str, sc: dict[str, Any], taken: list[str] | None = None,
                               v_sources=sources)]  # fmt: skip
     cfg = CanaryConfig(mode=CanaryMode.LOG, real_data=sc["mode"], enable_v=sc["enable_v"],
                        enable_verify_token_assert=sc["token_check"], sweep_interval=1,
-                       ring_capacity=6, stats_print_every_n_steps=0)  # fmt: skip
+                       ring_capacity=6, stats_print_every_n_steps=0,
+                       verify_stride=sc["stride"])  # fmt: skip
     caps = CanaryLaunchCapacities(write_req_capacity=4, write_entry_capacity=8,
                                   verify_capacity=sc["verify_capacity"],
                                   max_seq_len_per_req=sc["width"] + 1)  # fmt: skip
@@ -237,7 +239,7 @@ def test_the_fuzz_takes_every_path_and_reaches_errors_and_violations() -> None:
     """Guard against a vacuous property: fused forwards (staged and launched), general ones,
     fused sweeps and sweeps handed back, contract errors of several kinds and violations all
     occur."""
-    seen: dict[str, int] = {"violations": 0}
+    seen: dict[str, int] = {"violations": 0, "strided violations": 0}
     paths: list[str] = []
     heads: list[bool] = []
     real_head, real_sweep = FusedForward.head, FusedForward.sweep
@@ -247,8 +249,8 @@ def test_the_fuzz_takes_every_path_and_reaches_errors_and_violations() -> None:
         sweeps.append(real_sweep(self, walked))
         return sweeps[-1]
 
-    def head(self: FusedForward, view: ForwardView, chain: bool) -> Any:
-        fwd = real_head(self, view, chain)
+    def head(self: FusedForward, view: ForwardView, chain: bool, phase: int = 0) -> Any:
+        fwd = real_head(self, view, chain, phase)
         heads.append(fwd is not None and not fwd.staged)
         return fwd
 
@@ -262,6 +264,7 @@ def test_the_fuzz_takes_every_path_and_reaches_errors_and_violations() -> None:
                 seen[key] = seen.get(key, 0) + 1
             else:
                 seen["violations"] += event[3] > 0
+                seen["strided violations"] += event[3] > 0 and sc["stride"] > 1
 
     reused = [0]
     real_refilled = refilled
@@ -284,6 +287,7 @@ def test_the_fuzz_takes_every_path_and_reaches_errors_and_violations() -> None:
     assert launched > 10, launched
     assert paths.count("other") - launched > 20, (paths.count("other"), launched)
     assert seen["violations"] > 20, seen
+    assert seen["strided violations"] > 5, seen  # a verify stride in the comparison, finding
     assert sum(1 for k in seen if k.startswith("forward_view")) >= 2, seen
     assert any(k.startswith("slot") for k in seen), seen
 

@@ -109,14 +109,21 @@ def batches(draw: st.DrawFn) -> dict[str, Any]:
         "sources": FoldSources.build(sources, mode),
         "ring_capacity": draw(st.integers(1, 40)),
         "tag": draw(st.sampled_from([2, 8])),
+        **stride_and_phase(draw),
     }
+
+
+def stride_and_phase(draw: st.DrawFn) -> dict[str, int]:
+    """A verify stride (mostly 1, the default) and one of its phases."""
+    stride = draw(st.sampled_from([1, 1, 2, 3]))
+    return {"stride": stride, "phase": draw(st.integers(0, stride - 1))}
 
 
 def run(kernels: Any, b: dict[str, Any]) -> dict[str, Any]:
     plan = kernels.build_plan(
         b["rows"], b["prefix"], b["extend"], b["r2t"], b["out"], b["lut"], b["use_lut"],
         b["window"], b["num_slots"], b["truth"], b["truth_lens"], b["offset"], b["verify_capacity"],
-        np.full(b["num_slots"], -1, dtype=np.int64),
+        np.full(b["num_slots"], -1, dtype=np.int64), b["stride"], b["phase"],
     )  # fmt: skip
     if int(plan[9][0]) != 0:
         return {"error": np.asarray(plan[9]).tolist()}  # arrays are unspecified on error
@@ -164,10 +171,11 @@ def test_packed_plan_holds_the_plan_arrays(b: dict[str, Any]) -> None:
     args = (b["rows"], b["prefix"], b["extend"], b["r2t"], b["out"], b["lut"], b["use_lut"],
             b["window"], b["num_slots"], b["truth"], b["truth_lens"], b["offset"],
             b["verify_capacity"])  # fmt: skip
+    thin = (b["stride"], b["phase"])
     for kernels in (fast, reference):
-        plan = kernels.build_plan(*args, np.full(b["num_slots"], -1, dtype=np.int64))
+        plan = kernels.build_plan(*args, np.full(b["num_slots"], -1, dtype=np.int64), *thin)
         buf, nr, nw, nv, total_v, overflow, kind, value, shadowed, writes = (
-            kernels.build_plan_packed(*args, np.full(b["num_slots"], -1, dtype=np.int64))
+            kernels.build_plan_packed(*args, np.full(b["num_slots"], -1, dtype=np.int64), *thin)
         )
         assert [int(kind), int(value)] == np.asarray(plan[9]).astype(int).tolist()
         if kind != 0:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "MAX_RING_CAPACITY",
+    "MAX_VERIFY_STRIDE",
     "PERTURB_MODES",
+    "VERIFY_STRIDE_SPAN",
     "CanaryConfig",
     "CanaryMode",
     "PerturbConfig",
@@ -108,6 +110,11 @@ class PerturbConfig:
 
 #: the most violation-ring rows a config may ask for (1 GiB)
 MAX_RING_CAPACITY = 1 << 24
+#: the largest `verify_stride`: a slot's verify may lag its corruption by up to that many steps
+MAX_VERIFY_STRIDE = 64
+#: positions per rotation unit of `verify_stride`: a request's positions `[64u, 64u + 64)`
+#: are verified together, so a thinned plan keeps runs of consecutive slots
+VERIFY_STRIDE_SPAN = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +130,9 @@ class CanaryConfig:
     enable_verify_token_assert: bool = False
     enable_v: bool = False
     enable_token_oracle: bool = False
+    # HEAD and TAIL verify each request's position units in rotation, one step in `verify_stride`
+    # (docs/spec.md, "Verify stride"); 1 verifies every attended slot every forward (SPEC §5.1)
+    verify_stride: int = 1
     perturb: PerturbConfig = field(default_factory=PerturbConfig)
 
     def __post_init__(self) -> None:
@@ -146,6 +156,7 @@ class CanaryConfig:
                 f"bytes a row, allocated up front), got {self.ring_capacity}; set "
                 f"KVCANARY_RING_CAPACITY to {MAX_RING_CAPACITY} or less"
             )
+        _validate_stride(self)
         _validate_perturb(self)
 
     @property
@@ -197,10 +208,32 @@ class CanaryConfig:
             enable_verify_token_assert=env.boolean("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT"),
             enable_v=env.boolean("KVCANARY_ENABLE_V"),
             enable_token_oracle=env.boolean("KVCANARY_ENABLE_TOKEN_ORACLE"),
+            verify_stride=env.integer("KVCANARY_VERIFY_STRIDE", 1, non_negative=False),
             perturb=perturb,
         )
         env.warn_unknown()
         return config
+
+
+def _validate_stride(config: CanaryConfig) -> None:
+    stride = config.verify_stride
+    if type(stride) is not int or not 1 <= stride <= MAX_VERIFY_STRIDE:
+        raise ValueError(
+            f"kv-canary: KVCANARY_VERIFY_STRIDE must be an integer in [1, {MAX_VERIFY_STRIDE}], "
+            f"got {stride!r}; set it to 1 to verify every attended slot every forward"
+        )
+    if stride > 1 and config.recover:
+        raise ValueError(
+            f"kv-canary: KVCANARY_VERIFY_STRIDE={stride} cannot be used with kv_canary=recover "
+            "(recover must verify every attended slot before each forward); set "
+            "KVCANARY_VERIFY_STRIDE=1"
+        )
+    if stride > 1 and config.perturb.any_enabled:
+        raise ValueError(
+            f"kv-canary: KVCANARY_VERIFY_STRIDE={stride} cannot be combined with fault injection "
+            "(its detection deadlines assume every slot verified each forward); set "
+            "KVCANARY_VERIFY_STRIDE=1"
+        )
 
 
 def _validate_perturb(config: CanaryConfig) -> None:

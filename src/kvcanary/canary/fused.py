@@ -134,6 +134,7 @@ class FusedForward:
         serial_limit: int,
         token_check: bool,
         scratch: PassRows,
+        stride: int = 1,
     ) -> None:
         self._head_kernel = kernels.forward_head
         self._tail_kernel = kernels.forward_tail
@@ -142,6 +143,7 @@ class FusedForward:
         self._serial_limit = serial_limit
         self._token_check = token_check
         self._scratch = scratch
+        self._stride = stride
         head_tag, head_words, head_src = launches["head"]
         self.head_tag, self.tail_tag = head_tag, launches["tail"][0]
         tail_tag, tail_words, tail_src = launches["tail"]
@@ -167,9 +169,11 @@ class FusedForward:
             serial_limit,
         )  # fmt: skip
 
-    def head(self, view: ForwardView, chain_position_enabled: bool) -> PackedForward | None:
-        """Check, snapshot and plan `view`; run its HEAD stage when it is small. None: take the
-        general path (a view these checks do not pass, or in a form they do not read)."""
+    def head(self, view: ForwardView, chain_position_enabled: bool,
+             phase: int = 0) -> PackedForward | None:  # fmt: skip
+        """Check, snapshot and plan `view` (verifying `phase` of the verify stride); run its
+        HEAD stage when it is small. None: take the general path (a view these checks do not
+        pass, or in a form they do not read)."""
         given = view.truth_tokens
         kept = self._kept
         # the same frozen view (an adapter refills one while the batch keeps its shape) over the
@@ -184,8 +188,8 @@ class FusedForward:
         chain_position = chain_position_enabled and linear_chain
         scratch = self._scratch
         while True:
-            out = self._head_kernel(self._packed, *kept.args, chain_position, *self._head,
-                                    scratch.words, scratch.state)  # fmt: skip
+            out = self._head_kernel(self._packed, *kept.args, chain_position, self._stride,
+                                    phase, *self._head, scratch.words, scratch.state)  # fmt: skip
             status = out[0]
             # on a grow status nothing was written: plan again (a pure function of the view)
             if status == _GROW_SCRATCH:

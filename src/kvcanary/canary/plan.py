@@ -296,8 +296,11 @@ def build_group_plan(
     offset: int,
     verify_capacity: int,
     marks: I64,
+    stride: int = 1,
+    phase: int = 0,
 ) -> GroupPlan:
     """Run the kernel plan builder for one group and turn its error codes into exceptions.
+    `stride` / `phase`: the verify stride and this forward's phase of it (`reference.verified`).
 
     The plan builder checks that the active rows fit `req_to_token` (the only place this is
     checked) and range-checks every slot it emits (seeds, write slots, verify slots and
@@ -312,7 +315,7 @@ def build_group_plan(
         kernels.build_plan_packed(
             snap.rows, snap.prefix_lens, snap.extend_lens, snap.req_to_token, snap.out_slots,
             lut_arr, use_lut, _NO_WINDOW if window is None else window, num_slots,
-            snap.truth, snap.truth_lens, offset, verify_capacity, marks,
+            snap.truth, snap.truth_lens, offset, verify_capacity, marks, stride, phase,
         )
     )  # fmt: skip
     if err_kind == 1:

@@ -142,6 +142,8 @@ class Canary:
         self._tripped = False
         self._health = HealthChecker()
         self._stats_every = config.stats_print_every_n_steps
+        # the verify stride: step `s` verifies the position units of phase `s % stride`
+        self._stride = config.verify_stride
         # Built once: the config and groups are frozen, and these are read every forward.
         self._tags = {
             (stage, half, g.name): LaunchTag.of(stage, half, g.name)
@@ -174,6 +176,7 @@ class Canary:
                 self._kernels, only, fused_launches, capacities,
                 serial_limit=SERIAL_LAUNCH_ENTRIES if parallel_launches else 1 << 62,
                 token_check=config.verify_token_check, scratch=self._pass_rows,
+                stride=config.verify_stride,
             )
             if hasattr(self._kernels, "forward_head") and len(self._launches["head"]) == 1
             and not config.recover and not config.enable_write_input_assert
@@ -213,7 +216,8 @@ class Canary:
         if self._perturb is not None:
             self._perturb.before_plan(view=view, step=self.step)
         elif self._fused is not None:
-            fwd = self._fused.head(view, self.chain_position_assert_enabled)
+            fwd = self._fused.head(view, self.chain_position_assert_enabled,
+                                   self.step % self._stride)  # fmt: skip
             if fwd is not None:
                 self._open_fused(fwd)
                 return
@@ -438,6 +442,8 @@ class Canary:
             offset=g.offset,
             verify_capacity=self.capacities.verify_capacity,
             marks=g.write_marks,
+            stride=self._stride,
+            phase=self.step % self._stride,
         )
         if plan.overflow:
             warn_verify_overflow(plan.verify_total, self.capacities.verify_capacity)

@@ -568,6 +568,9 @@ def _selftest_knobs(model: str | None) -> tuple[tuple[str, object], ...]:
         raise BadInput(f"{perturb_vars[0]} is set, but selftest injects its own faults; unset it "
                        "(kvcanary run replays one fault)")  # fmt: skip
     knobs = canary_knobs(os.environ)
+    if stride := dict(knobs).get("verify_stride"):
+        raise BadInput(f"KVCANARY_VERIFY_STRIDE={stride} is set, but selftest's detection "
+                       "deadlines assume every slot verified each forward; unset it")  # fmt: skip
     if model == "tiny":  # every case but next_token_swap then serves the tiny model
         check_reference_engine_env(canary_config("log", "partial", 0, os.environ), "tiny")
     return knobs

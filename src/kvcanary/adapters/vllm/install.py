@@ -28,6 +28,7 @@ EXTRA_KEYS = {
     "verify_tokens": "KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT",
     "enable_v": "KVCANARY_ENABLE_V",
     "ring_capacity": "KVCANARY_RING_CAPACITY",
+    "verify_stride": "KVCANARY_VERIFY_STRIDE",
 }
 _ADAPTER_ENV = ("KVCANARY_MODE", "KVCANARY_REAL_DATA", "KVCANARY_SWEEP_INTERVAL",
                 "KVCANARY_VLLM_STOP_NOTE")  # fmt: skip

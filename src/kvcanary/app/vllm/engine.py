@@ -43,12 +43,14 @@ class VllmSettings:
 
 
 def canary_env(config: CanaryConfig) -> dict[str, str]:
-    """The adapter's environment for `config` (mode, real data, sweep cadence, token check)."""
+    """The adapter's environment for `config` (mode, real data, sweep cadence, token check,
+    verify stride)."""
     return {
         "KVCANARY_MODE": config.mode.value,
         "KVCANARY_REAL_DATA": config.real_data.value,
         "KVCANARY_SWEEP_INTERVAL": str(config.sweep_interval),
         "KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1" if config.enable_verify_token_assert else "0",
+        "KVCANARY_VERIFY_STRIDE": str(config.verify_stride),
     }
 
 

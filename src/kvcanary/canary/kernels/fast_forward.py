@@ -74,7 +74,8 @@ def _view_fits(rows, prefix, extend, input_ids, positions, out_slots, req_cap, e
 def forward_head(  # type: ignore[no-untyped-def]
     packed, rows, prefix, extend, input_ids, positions, out_slots, r2t, truth, truth_lens,
     has_truth, req_cap, entry_cap, lut, use_lut, window, num_slots, offset, verify_capacity,
-    marks, serial_limit, chain_position, buf, s0, s1, s2, s3, params, count, tag, ring, state,
+    marks, serial_limit, chain_position, stride, phase, buf, s0, s1, s2, s3, params, count, tag,
+    ring, state,
 ):  # fmt: skip
     """Check, snapshot and plan one view into `packed` (its first entries; the caller's buffer,
     kept across calls: a returned array would be boxed on every call), then run its HEAD stage
@@ -116,7 +117,7 @@ def forward_head(  # type: ignore[no-untyped-def]
     seeds[:] = -1
     err = np.zeros(2, dtype=np.int64)
     total_v = plan_sizes(rows, prefix, extend, r2t, out_slots, lut, use_lut, window, num_slots,
-                         req_offsets, seeds, err)  # fmt: skip
+                         stride, phase, req_offsets, seeds, err)  # fmt: skip
     if err[0] != 0:
         return FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
     nw = req_offsets[nr]
@@ -133,8 +134,8 @@ def forward_head(  # type: ignore[no-untyped-def]
     v_slot, v_prev = packed[v0 : v0 + nv], packed[v0 + nv : v0 + 2 * nv]
     v_pos, v_tok = packed[v0 + 2 * nv : v0 + 3 * nv], packed[v0 + 3 * nv : size]
     if not overflow:
-        plan_verifies(rows, prefix, r2t, lut, use_lut, window, num_slots, truth, lens, offset,
-                      v_slot, v_prev, v_pos, v_tok, err)  # fmt: skip
+        plan_verifies(rows, prefix, r2t, lut, use_lut, window, num_slots, stride, phase, truth,
+                      lens, offset, v_slot, v_prev, v_pos, v_tok, err)  # fmt: skip
         if err[0] != 0:
             return FALLBACK, 0, 0, 0, 0, 0, 0, False, False, 0, 0
     writes = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from kvcanary.canary.config import VERIFY_STRIDE_SPAN
 from kvcanary.canary.kernels._intrinsics import internal
 
 # Error kinds of the returned `err = (kind, value)`; see `kernels.reference.build_plan`.
@@ -66,6 +67,37 @@ def _row_in_range(r2t, row, lo, hi, num_slots):  # type: ignore[no-untyped-def]
 
 
 @internal
+def _unit_on(pos, stride, phase):  # type: ignore[no-untyped-def]
+    """Whether position `pos` is verified in this phase of the verify stride
+    (`reference.verified`): its unit `pos // VERIFY_STRIDE_SPAN` modulo `stride` equals
+    `phase`. Both operands are non-negative."""
+    return (pos // VERIFY_STRIDE_SPAN) % stride == phase
+
+
+@internal
+def _unit_end(pos, hi, stride):  # type: ignore[no-untyped-def]
+    """The end of the stride unit holding `pos`, capped at `hi` (`hi` itself without a stride:
+    one segment per row)."""
+    if stride == 1:
+        return hi
+    return min(hi, (pos // VERIFY_STRIDE_SPAN + 1) * VERIFY_STRIDE_SPAN)
+
+
+@internal
+def _verified_count(lo, hi, stride, phase):  # type: ignore[no-untyped-def]
+    """How many positions of `[lo, hi)` this phase verifies (one step a unit, not a
+    position)."""
+    n = 0
+    a = lo
+    while a < hi:
+        b = _unit_end(a, hi, stride)
+        if stride == 1 or _unit_on(a, stride, phase):
+            n += b - a
+        a = b
+    return n
+
+
+@internal
 def _shadowed_writes(w_slots, marks):  # type: ignore[no-untyped-def]
     """True when two write entries name one slot (slot 0 included).
 
@@ -88,8 +120,8 @@ def _shadowed_writes(w_slots, marks):  # type: ignore[no-untyped-def]
 
 @internal
 def plan_sizes(  # type: ignore[no-untyped-def]
-    rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window, num_slots, req_offsets,
-    seeds, err,
+    rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window, num_slots, stride,
+    phase, req_offsets, seeds, err,
 ):  # fmt: skip
     """`build_plan`'s first pass, into the caller's arrays: `req_offsets` (`nrows + 1`; entry 0
     must be 0), `seeds` (`nrows`, all -1 on entry) and the row checks. Returns the verify total
@@ -117,7 +149,8 @@ def plan_sizes(  # type: ignore[no-untyped-def]
                 return 0
             seeds[r] = -1 if s == 0 else s
         if prefix_lens[r] > 0:
-            total_v += prefix_lens[r] - max(0, prefix_lens[r] - window)
+            p = prefix_lens[r]
+            total_v += _verified_count(max(0, p - window), p, stride, phase)
     return total_v
 
 
@@ -138,12 +171,13 @@ def plan_writes(out_slots, lut, use_lut, num_slots, marks, w_slots, err):  # typ
 
 @internal
 def plan_verifies(  # type: ignore[no-untyped-def]
-    rows, prefix_lens, r2t, lut, use_lut, window, num_slots, truth, truth_lens, offset, v_slot,
-    v_prev, v_pos, v_tok, err,
+    rows, prefix_lens, r2t, lut, use_lut, window, num_slots, stride, phase, truth, truth_lens,
+    offset, v_slot, v_prev, v_pos, v_tok, err,
 ):  # fmt: skip
     """`build_plan`'s verify plan into `v_slot .. v_tok` (their length is the verify total):
-    every attended slot and its predecessor translated and range-checked. On an error `err`
-    holds `(kind, value)`."""
+    the attended slots this phase of the stride verifies, with their predecessors. Every
+    attended slot and predecessor is range-checked, verified this phase or not, so a stride
+    changes no error. On an error `err` holds `(kind, value)`."""
     ncols = r2t.shape[1]
     k = 0
     for r in range(rows.shape[0]):
@@ -153,14 +187,20 @@ def plan_verifies(  # type: ignore[no-untyped-def]
         limit = min(truth_lens[r], ncols, truth.shape[1]) if r < truth.shape[0] else 0
         lo = max(0, prefix_lens[r] - window)
         if not use_lut and _row_in_range(r2t, row, lo, prefix_lens[r], num_slots):
-            # FULL group, whole row in range (the common case): copy without per-entry checks
-            for pos in range(lo, prefix_lens[r]):
-                t = pos + offset
-                v_slot[k] = r2t[row, pos]
-                v_prev[k] = r2t[row, pos - 1] if pos > 0 else -1
-                v_pos[k] = pos
-                v_tok[k] = truth[r, t] if 0 <= t < limit else -1
-                k += 1
+            # FULL group, whole row in range (the common case): copy without per-entry checks,
+            # a unit of the stride at a time (the whole row in one piece without a stride)
+            a = lo
+            while a < prefix_lens[r]:
+                b = _unit_end(a, prefix_lens[r], stride)
+                if stride == 1 or _unit_on(a, stride, phase):
+                    for pos in range(a, b):
+                        t = pos + offset
+                        v_slot[k] = r2t[row, pos]
+                        v_prev[k] = r2t[row, pos - 1] if pos > 0 else -1
+                        v_pos[k] = pos
+                        v_tok[k] = truth[r, t] if 0 <= t < limit else -1
+                        k += 1
+                a = b
             continue
         for pos in range(lo, prefix_lens[r]):
             s, kind = _translate(r2t[row, pos], lut, use_lut, num_slots, False)
@@ -172,6 +212,8 @@ def plan_verifies(  # type: ignore[no-untyped-def]
                 err[0] = kind if kind != _OK else kind2
                 err[1] = s if kind != _OK else p
                 return
+            if stride > 1 and not _unit_on(pos, stride, phase):
+                continue
             t = pos + offset
             v_slot[k] = s
             v_prev[k] = p
@@ -183,7 +225,7 @@ def plan_verifies(  # type: ignore[no-untyped-def]
 @njit(cache=True)
 def build_plan(  # type: ignore[no-untyped-def]
     rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window, num_slots,
-    truth, truth_lens, offset, verify_capacity, marks,
+    truth, truth_lens, offset, verify_capacity, marks, stride, phase,
 ):  # fmt: skip
     """See `kernels.reference.build_plan`: `plan_sizes`, `plan_writes` and `plan_verifies` into
     arrays of their own."""
@@ -193,7 +235,7 @@ def build_plan(  # type: ignore[no-untyped-def]
     seeds = np.full(nrows, -1, dtype=np.int64)
     empty = np.empty(0, dtype=np.int64)
     total_v = plan_sizes(rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window,
-                         num_slots, req_offsets, seeds, err)  # fmt: skip
+                         num_slots, stride, phase, req_offsets, seeds, err)  # fmt: skip
     if err[0] != 0:
         return req_offsets, seeds, empty, empty, empty, empty, empty, 0, False, err, False
     w_slots = np.empty(req_offsets[nrows], dtype=np.int64)
@@ -209,8 +251,8 @@ def build_plan(  # type: ignore[no-untyped-def]
     if overflow:
         return (req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, True, err,
                 shadowed)  # fmt: skip
-    plan_verifies(rows, prefix_lens, r2t, lut, use_lut, window, num_slots, truth, truth_lens,
-                  offset, v_slot, v_prev, v_pos, v_tok, err)  # fmt: skip
+    plan_verifies(rows, prefix_lens, r2t, lut, use_lut, window, num_slots, stride, phase, truth,
+                  truth_lens, offset, v_slot, v_prev, v_pos, v_tok, err)  # fmt: skip
     if err[0] != 0:
         return req_offsets, seeds, w_slots, empty, empty, empty, empty, 0, False, err, False
     return req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, total_v, False, err, shadowed
@@ -219,7 +261,7 @@ def build_plan(  # type: ignore[no-untyped-def]
 @njit(cache=True)
 def build_plan_packed(  # type: ignore[no-untyped-def]
     rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window, num_slots,
-    truth, truth_lens, offset, verify_capacity, marks,
+    truth, truth_lens, offset, verify_capacity, marks, stride, phase,
 ):  # fmt: skip
     """`build_plan` with its seven arrays in one buffer, `req_offsets | seeds | w_slots | v_slot
     | v_prev | v_pos | v_tok`, and scalars: `(buffer, rows, writes, verify entries, total_v,
@@ -231,7 +273,7 @@ def build_plan_packed(  # type: ignore[no-untyped-def]
     head = np.zeros(2 * nr + 1, dtype=np.int64)  # req_offsets | seeds, before the totals are known
     head[nr + 1 :] = -1
     total_v = plan_sizes(rows, prefix_lens, extend_lens, r2t, out_slots, lut, use_lut, window,
-                         num_slots, head[: nr + 1], head[nr + 1 :], err)  # fmt: skip
+                         num_slots, stride, phase, head[: nr + 1], head[nr + 1 :], err)  # fmt: skip
     if err[0] != 0:
         return head, nr, 0, 0, 0, False, err[0], err[1], False, 0
     h = 2 * nr + 1
@@ -250,9 +292,9 @@ def build_plan_packed(  # type: ignore[no-untyped-def]
     if overflow:
         return buf, nr, nw, 0, total_v, True, 0, 0, shadowed, writes
     v = h + nw
-    plan_verifies(rows, prefix_lens, r2t, lut, use_lut, window, num_slots, truth, truth_lens,
-                  offset, buf[v : v + nv], buf[v + nv : v + 2 * nv], buf[v + 2 * nv : v + 3 * nv],
-                  buf[v + 3 * nv :], err)  # fmt: skip
+    plan_verifies(rows, prefix_lens, r2t, lut, use_lut, window, num_slots, stride, phase, truth,
+                  truth_lens, offset, buf[v : v + nv], buf[v + nv : v + 2 * nv],
+                  buf[v + 2 * nv : v + 3 * nv], buf[v + 3 * nv :], err)  # fmt: skip
     if err[0] != 0:
         return buf[:v], nr, nw, 0, 0, False, err[0], err[1], False, writes
     return buf, nr, nw, nv, total_v, False, 0, 0, shadowed, writes

@@ -47,7 +47,24 @@ _RING = (_N, _U64_2D, _I64)  # launch tag, ring rows (u64 view), ring state
 
 #: kernel -> its argument types as `Canary` passes them (see runtime.py `_launch_stage`, `_plan`)
 _SIGNATURES: dict[str, tuple[types.Type, ...]] = {
-    "build_plan": (_I64, _I64, _I64, _I32_2D, _I64, _I64, _B, _N, _N, _I64_2D, _I64, _N, _N, _I64),
+    "build_plan": (
+        _I64,
+        _I64,
+        _I64,
+        _I32_2D,
+        _I64,
+        _I64,
+        _B,
+        _N,
+        _N,
+        _I64_2D,
+        _I64,
+        _N,
+        _N,
+        _I64,
+        _N,
+        _N,
+    ),
     "verify": (_U64_2D, _I64, _I64, _I64, _I64, *_SOURCES, *_RING),
     "write": (_U64_2D, _I64, _I64, _I64, _B, _I64, _I64, _B, _I64, _I64, _B, *_SOURCES, *_RING),
 }
@@ -64,7 +81,7 @@ _SIGNATURES["stage_serial"] = (*_SIGNATURES["verify"][:5], _B, *_SIGNATURES["wri
 _LAUNCH = (_U64_2D, *_SOURCES, *_RING)
 _SIGNATURES["forward_head"] = (
     *(_I64,) * 7, _I32_2D, _I64_2D, _I64, _B, _N, _N, _I64, _B, _N, _N, _N, _N, _I64, _N, _B,
-    *_LAUNCH,
+    _N, _N, *_LAUNCH,
 )  # fmt: skip
 _SIGNATURES["forward_tail"] = (_I64, _N, _N, _N, _N, _B, _B, _B, *_LAUNCH)
 _SIGNATURES["sweep_serial"] = (_I64_2D, _N, *_LAUNCH)  # a walk, the group's slots, one launch

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvcanary.canary.config import VERIFY_STRIDE_SPAN
 from kvcanary.canary.hashing import HEAD_HASH, MASK64, mix3, splitmix64
 
 Arr = npt.NDArray[Any]
@@ -58,12 +59,25 @@ def _translate(
     return x, 0 if 0 <= x < num_slots else 2
 
 
+def verified(pos: int, stride: int, phase: int) -> bool:
+    """Whether phase `phase` of a verify stride `stride` verifies position `pos`: positions go
+    in units of `VERIFY_STRIDE_SPAN`, and unit `u` is verified in phase `u % stride`, so each
+    unit is verified once in any `stride` consecutive phases. The rule reads the position only
+    (not the request's row, which an engine may reassign between steps), so the bound holds
+    whatever the batch does. Stride 1 verifies every position (SPEC §5.1)."""
+    return stride == 1 or (pos // VERIFY_STRIDE_SPAN) % stride == phase
+
+
 def build_plan(
     rows: Arr, prefix_lens: Arr, extend_lens: Arr, r2t: Arr, out_slots: Arr, lut: Arr,
     use_lut: bool, window: int, num_slots: int, truth: Arr, truth_lens: Arr, offset: int,
-    verify_capacity: int, marks: Arr,
+    verify_capacity: int, marks: Arr, stride: int, phase: int,
 ) -> tuple[Any, ...]:  # fmt: skip
     """Build one group's plan (SPEC §5.1) and range-check every slot in it (SPEC §14.2).
+
+    With a verify stride (`stride > 1`, `0 <= phase < stride`) the verify plan holds only the
+    positions `verified` in `phase`; every attended slot is still range-checked, in the same
+    order, so the errors do not depend on the stride.
 
     Returns `(req_offsets, seeds, w_slots, v_slot, v_prev, v_pos, v_tok, verify_total, overflow,
     err, shadowed)`. `err = (kind, value)`: kind 1 is a SWA index outside the LUT, 2 a slot (or
@@ -102,7 +116,9 @@ def build_plan(
             if kind:
                 return fail(kind, seed)
             seeds[r] = -1 if seed == 0 else seed
-        total_v += max(prefix - max(0, prefix - window), 0)
+        total_v += sum(
+            verified(p, stride, phase) for p in range(max(0, prefix - window), prefix)
+        )
     w_slots = np.empty(int(req_offsets[-1]), dtype=i64)
     for i in range(len(w_slots)):
         slot, kind = _translate(out_slots[i], lut, use_lut, num_slots, True)
@@ -129,6 +145,8 @@ def build_plan(
                 prev, kind = _translate(r2t[row, pos - 1], lut, use_lut, num_slots, True)
                 if kind:
                     return fail(kind, prev)
+            if not verified(pos, stride, phase):
+                continue
             t = pos + offset
             entries.append((slot, prev, pos, int(truth[r, t]) if 0 <= t < limit else -1))
     cols = np.array(entries, dtype=i64).reshape(-1, 4).T
