@@ -116,9 +116,7 @@ def build_plan(
             if kind:
                 return fail(kind, seed)
             seeds[r] = -1 if seed == 0 else seed
-        total_v += sum(
-            verified(p, stride, phase) for p in range(max(0, prefix - window), prefix)
-        )
+        total_v += sum(verified(p, stride, phase) for p in range(max(0, prefix - window), prefix))
     w_slots = np.empty(int(req_offsets[-1]), dtype=i64)
     for i in range(len(w_slots)):
         slot, kind = _translate(out_slots[i], lut, use_lut, num_slots, True)
