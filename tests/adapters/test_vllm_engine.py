@@ -104,6 +104,19 @@ def test_clean_200_requests_multiprocess(tmp_path: Path, dtype: str) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_clean_200_requests_multiprocess_with_a_verify_stride(tmp_path: Path) -> None:
+    """A verify stride as a user sets it (the environment, vLLM's defaults: bf16, multiprocess)
+    serves clean: TAIL reads only its phase's blocks, so the mirror re-gathers only those, and a
+    wrong block list would show as real-KV false alarms here."""
+    f = _clean_run(tmp_path, ["--requests", "200"], {"KVCANARY_VERIFY_STRIDE": "4"})
+    assert f["engine_core"] == "multiprocess" and f["verify_stride"] == 4
+    assert f["requests_finished"] == 200 and f["forward_steps"] > 0
+    assert f["violations"] == 0 and f["violations_by_reason"] == {}
+    assert f["protected_slot_checks"] > 0 and f["sweep_passes"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_clean_200_requests_in_process_bf16(tmp_path: Path) -> None:
     f = _clean_run(tmp_path, ["--requests", "200", "--dtype", "bfloat16"],
                    {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip

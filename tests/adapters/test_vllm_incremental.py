@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvcanary.adapters.vllm.prep import StepPrep
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
 from kvcanary.adapters.vllm.view import build_forward_view, paged_req_to_token, split_waves
+from kvcanary.canary.kernels import reference
 from kvcanary.canary.view_checks import walker_entries
 from kvcanary.contract import ForwardView
 
@@ -22,14 +23,16 @@ ROWS, MAX_BLOCKS, NUM_BLOCKS = 6, 8, 40
 
 def _prep_forward(prep: StepPrep, bt: np.ndarray, computed: np.ndarray, scheduled: np.ndarray,
                   slots: np.ndarray, ids: list[int] | None = None,
-                  pos: list[int] | None = None) -> ForwardView:  # fmt: skip
+                  pos: list[int] | None = None, stride: int = 1,
+                  phase: int = 0) -> ForwardView:  # fmt: skip
     """`prep.forward` for `scheduled` tokens per row (ids and positions 0 unless given)."""
     n = len(scheduled)
     qsl = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
     total = int(qsl[-1])
     ids_a = np.array(ids if ids is not None else [0] * total, dtype=np.int64)
     pos_a = np.array(pos if pos is not None else [0] * total, dtype=np.int64)
-    return prep.forward(bt, n, qsl, computed, np.zeros(n, dtype=np.int32), ids_a, pos_a, slots)
+    return prep.forward(bt, n, qsl, computed, np.zeros(n, dtype=np.int32), ids_a, pos_a, slots,
+                        stride=stride, phase=phase)  # fmt: skip
 
 
 def _step(rng: np.random.Generator, bt: np.ndarray, nblk: np.ndarray) -> None:
@@ -123,6 +126,33 @@ def test_block_level_wave_test_never_misses_a_split_and_tail_covers_tail(seed: i
     assert len(tail) == len(set(tail))  # each block once: TAIL's mirror re-gathers each once
     assert not prep._listed.any()  # the scratch is clean between calls
     assert prep.min_slot == min(0, int(slots.min()) if slots.size else 0)
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from([16, 32, 48, 128]), st.integers(2, 3),
+       st.integers(0, 2))  # fmt: skip
+@settings(max_examples=200, deadline=None)
+def test_under_a_verify_stride_tail_lists_the_blocks_its_phase_reads(
+    seed: int, b: int, stride: int, phase: int
+) -> None:
+    """With a verify stride the TAIL block list (what the mirror re-gathers) holds every block
+    with a position the phase verifies (`reference.verified`) and every written block, and no
+    block the full list lacks; the wave test does not change."""
+    phase %= stride
+    bt, computed, scheduled, slots, ids, pos = _random_case(np.random.default_rng(seed), b)
+    n = len(bt)
+    full, thin = StepPrep(bt, b, 6), StepPrep(bt, b, 6)
+    _prep_forward(full, bt, computed, scheduled, slots, ids, pos)
+    view = _prep_forward(thin, bt, computed, scheduled, slots, ids, pos, stride, phase)
+    assert thin.cross == full.cross
+    r2t = view.req_to_token
+    read = {int(r2t[r + 1, p]) // b for r in range(n) for p in range(int(computed[r]))
+            if reference.verified(p, stride, phase)}  # fmt: skip
+    read |= {int(s) // b for s in slots if s >= 0}
+    tail = thin.tail_blocks.tolist()
+    assert {x for x in read if x < 6} <= set(tail) <= set(full.tail_blocks.tolist())
+    assert len(tail) == len(set(tail)) and not thin._listed.any()
+    skipped = {int(r2t[r + 1, p]) // b for r in range(n) for p in range(int(computed[r]))} - read
+    assert not (skipped & set(tail))  # a block no entry reads this step is not re-gathered
 
 
 def test_walker_array_equals_its_tuples_and_feeds_the_canary() -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
+from kvcanary.canary.config import VERIFY_STRIDE_SPAN
 from kvcanary.contract import ForwardView, TruthTable
 
 __all__ = ["StepPrep"]
@@ -25,8 +26,21 @@ I64 = npt.NDArray[np.int64]
 
 
 @njit(cache=True)
+def _verified_block(c, b, p, stride, phase):  # type: ignore[no-untyped-def]
+    """Whether a stride's `phase` verifies a position of block `c` (positions `[c * b,
+    min((c + 1) * b, p))`) of a row with `p` computed tokens (docs/spec.md §5.5)."""
+    first = c * b // VERIFY_STRIDE_SPAN
+    last = (min((c + 1) * b, p) - 1) // VERIFY_STRIDE_SPAN
+    for u in range(first, last + 1):  # noqa: SIM110 (numba compiles no generator in any())
+        if u % stride == phase:
+            return True
+    return False
+
+
+@njit(cache=True)
 def _prep(  # type: ignore[no-untyped-def]
-    bt, num_reqs, nblocks, computed, scheduled, slots, b, table, seen, owner, listed, tail
+    bt, num_reqs, nblocks, computed, scheduled, slots, b, table, seen, owner, listed, tail,
+    stride, phase,
 ):  # fmt: skip
     """Returns `(tail entries, cross, min slot)`; see `StepPrep.forward`."""
     n_cache = owner.shape[0]
@@ -75,6 +89,8 @@ def _prep(  # type: ignore[no-untyped-def]
             w = owner[v]
             if w != -1 and w != r:
                 cross = True
+            if stride > 1 and not _verified_block(c, b, p, stride, phase):
+                continue  # TAIL reads none of its slots this step (written blocks are listed)
             if not listed[v]:  # shared prefix blocks, and a row's own last (written) block
                 listed[v] = True
                 tail[k] = v
@@ -131,7 +147,7 @@ _DONE, _GROW_BUFFERS, _GROW_TABLE, _TOO_MANY_ROWS, _SHORT_ARRAYS = 0, 1, 2, 3, 4
 @njit(cache=True)
 def _forward(  # type: ignore[no-untyped-def]
     bt, qsl, computed, prompt, num_reqs, ids, pos, slots, num_tokens, b, out, table, seen, owner,
-    listed, tail,
+    listed, tail, stride, phase,
 ):  # fmt: skip
     """`StepPrep.forward`'s checks, the cut of the flat arrays to `num_tokens` (-1: whole),
     `_shape_into`, then `_prep`. Returns `(status, chunked, nblocks, tail entries, cross, min
@@ -152,7 +168,7 @@ def _forward(  # type: ignore[no-untyped-def]
     if nblocks > seen.shape[1]:
         return _GROW_TABLE, chunked, nblocks, 0, False, np.int64(0), ni, npos, ns
     k, cross, low = _prep(bt, n, nblocks, out[n : 2 * n], out[2 * n : 3 * n], cut, b, table,
-                          seen, owner, listed, tail)  # fmt: skip
+                          seen, owner, listed, tail, stride, phase)  # fmt: skip
     return _DONE, chunked, nblocks, k, cross, low, ni, npos, ns
 
 
@@ -209,14 +225,16 @@ class StepPrep:
                 positions: npt.NDArray[np.integer[Any]],
                 slots: npt.NDArray[np.integer[Any]],
                 truth_tokens: TruthTable | None = None,
-                num_tokens: int | None = None) -> ForwardView:  # fmt: skip
+                num_tokens: int | None = None, stride: int = 1,
+                phase: int = 0) -> ForwardView:  # fmt: skip
         """The view `view.build_forward_view` makes from the same inputs, with the batch's shape
         and `run` in one compiled call: rows `1..num_reqs`, their computed and scheduled token
         counts, the flat arrays as int64 (cut to their first `num_tokens` entries when given;
         slots below -1 as -1; each keeps its own length, the canary checks them) and
         `req_to_token` (rows `1..num_reqs` synced over the blocks this forward reaches).
-        Afterwards `tail_blocks` lists the cache blocks TAIL reads (each row's `[0, computed)`
-        and the written slots' blocks; each block once), `cross` is False only when no row's
+        Afterwards `tail_blocks` lists the cache blocks TAIL reads (each row's `[0, computed)`,
+        with a verify stride only the blocks holding a position its `phase` verifies, and the
+        written slots' blocks; each block once), `cross` is False only when no row's
         prefix block is written by another row in this forward (then the forward is one canary
         wave), `min_slot` is the smallest slot (0 if none below) and `chunked` counts the rows
         still inside their prompt after this forward.
@@ -229,7 +247,7 @@ class StepPrep:
             status, chunked, nblocks, k, cross, low, ni, npos, ns = _forward(
                 block_table, query_start_loc, num_computed, num_prompt, n, input_ids, positions,
                 slots, cut, self.block_size, self._out, self.table, self._seen, self._owner,
-                self._listed, self._tail,
+                self._listed, self._tail, stride, phase,
             )  # fmt: skip
             if status == _DONE:
                 break

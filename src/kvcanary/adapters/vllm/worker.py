@@ -137,6 +137,7 @@ class CanaryWorker:
         self._dropped_seen: Counter[tuple[str, str]] = Counter()
         self.last_request_ids: list[str] = []
         self._layer0 = ""  # the KV cache layer the canary covers (its slot mapping is read)
+        self._stride = config.verify_stride
 
     @property
     def hooks(self) -> Any:
@@ -377,9 +378,14 @@ class CanaryWorker:
         assert prep is not None
         # one compiled call: batch shape, the view's int64 arrays, req_to_token, the wave test
         # (what `view.build_forward_view` builds, tests/adapters/test_vllm_incremental.py)
+        # under a verify stride TAIL reads this step's phase only (docs/spec.md §5.5): the
+        # mirror re-gathers those blocks and the written ones
+        stride = self._stride
+        phase = 0 if stride == 1 or self.canary is None else self.canary.step % stride
         view = prep.forward(
             arrays.table, num_reqs, qsl, arrays.num_computed, arrays.num_prompt,
             arrays.input_ids, arrays.positions, self._host.prefix(mapping, total), truth, total,
+            stride, phase,
         )  # fmt: skip
         self.chunked_prefill_rows += prep.chunked
         if self._mirror is not None:

@@ -224,6 +224,8 @@ class VllmEngine:
             figures["requests_failed"] = sum(o.outputs[0].finish_reason == "error" for o in outs)
             figures["requests_finished"] -= figures["requests_failed"]
         if self.canary_on:
+            # the knob as the canary read it (the adapter's config comes from this environment)
+            figures["verify_stride"] = int(os.environ.get("KVCANARY_VERIFY_STRIDE", "1"))
             figures["chunked_prefill_rows"] = int(
                 counters["chunked_prefill_rows"] - counters0["chunked_prefill_rows"]
             )
