@@ -30,14 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcanary.canary import (
-    Canary,
-    CanaryConfig,
-    CanaryLaunchCapacities,
-    CanaryMode,
-    RealDataMode,
-    install,
-)
+from kvcanary.canary import Canary, CanaryLaunchCapacities, install
+from kvcanary.canary.config import CanaryConfig, CanaryMode, RealDataMode
 from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, LaunchTag, RealKvSource
 
 TOKEN_BYTES = 32

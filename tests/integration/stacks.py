@@ -23,6 +23,7 @@ def canary_config(
     real_data: RealDataMode = RealDataMode.PARTIAL,
     sweep: int = 0,
     oracle: bool = False,
+    verify_stride: int = 1,
 ) -> CanaryConfig:
     """A canary with stats printing off; the token asserts are on wherever they can run."""
     return CanaryConfig(
@@ -33,6 +34,7 @@ def canary_config(
         enable_verify_token_assert=True,
         enable_write_input_assert=oracle,
         enable_token_oracle=oracle,
+        verify_stride=verify_stride,
     )
 
 

@@ -59,6 +59,7 @@ class Scenario:
     model: str = "tiny"
     engine: dict[str, Any] = field(default_factory=dict)
     shape: WorkloadShape = DEFAULT
+    stride: int = 1  # the canary's verify stride (docs/spec.md §5.5)
 
 
 def sc(
@@ -69,9 +70,10 @@ def sc(
     seed: int,
     model: str = "tiny",
     shape: WorkloadShape = DEFAULT,
+    stride: int = 1,
     **engine: Any,
 ) -> Scenario:
-    return Scenario(id, frozenset(targets), real_data, sweep, seed, model, engine, shape)
+    return Scenario(id, frozenset(targets), real_data, sweep, seed, model, engine, shape, stride)
 
 
 SCENARIOS = [
@@ -111,6 +113,13 @@ SCENARIOS = [
        ALL, 7, 23, "oracle", WorkloadShape(num_requests=14, max_new_tokens=(8, 16),
        abort_prefill=1, abort_decode=1), speculative_num_draft_tokens=3, num_slots=180,
        chunked_prefill_size=8, max_prefill_tokens=40),
+    # a verify stride through the same paths: thinner plans, still no false alarm
+    sc("mixed-tiny-partial-sweep1-stride3", (RADIX, CHUNKED, RETRACT, ABORT_PREFILL, ABORT_DECODE,
+       SPEC), PARTIAL, 1, 24, shape=WorkloadShape(num_requests=14, max_new_tokens=(8, 16),
+       abort_prefill=1, abort_decode=1), stride=3, speculative_num_draft_tokens=2, num_slots=180,
+       chunked_prefill_size=8, max_prefill_tokens=40),
+    sc("evict-oracle-all-sweep7-stride2", (EVICT, RADIX), ALL, 7, 25, "oracle", MANY, stride=2,
+       **EVICTING),
 ]  # fmt: skip
 
 
@@ -125,13 +134,19 @@ def test_matrix_covers_every_dimension() -> None:
     }  # fmt: skip
     spec = {s.engine.get("speculative_num_draft_tokens", 0) > 0 for s in SCENARIOS}
     assert spec == {True, False}
+    assert {s.stride > 1 for s in SCENARIOS} == {True, False}
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.id)
 def test_clean_scenario(scenario: Scenario) -> None:
     oracle = scenario.model == "oracle"
     cfg = run_settings(
-        canary_config(real_data=scenario.real_data, sweep=scenario.sweep, oracle=oracle),
+        canary_config(
+            real_data=scenario.real_data,
+            sweep=scenario.sweep,
+            oracle=oracle,
+            verify_stride=scenario.stride,
+        ),
         model_kind=scenario.model,
         seed=scenario.seed,
         **scenario.engine,
