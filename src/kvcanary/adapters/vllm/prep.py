@@ -18,6 +18,7 @@ import numpy.typing as npt
 from numba import njit
 
 from kvcanary.canary.config import VERIFY_STRIDE_SPAN
+from kvcanary.canary.kernels.fast import stride_verifies
 from kvcanary.contract import ForwardView, TruthTable
 
 __all__ = ["StepPrep"]
@@ -28,11 +29,13 @@ I64 = npt.NDArray[np.int64]
 @njit(cache=True)
 def _verified_block(c, b, p, stride, phase):  # type: ignore[no-untyped-def]
     """Whether a stride's `phase` verifies a position of block `c` (positions `[c * b,
-    min((c + 1) * b, p))`) of a row with `p` computed tokens (docs/spec.md §5.5)."""
+    min((c + 1) * b, p))`) of a row with `p` computed tokens: the canary's own rule
+    (`stride_verifies`, docs/spec.md §5.5) at the first position of each unit the block
+    touches."""
     first = c * b // VERIFY_STRIDE_SPAN
     last = (min((c + 1) * b, p) - 1) // VERIFY_STRIDE_SPAN
-    for u in range(first, last + 1):  # noqa: SIM110 (numba compiles no generator in any())
-        if u % stride == phase:
+    for u in range(first, last + 1):
+        if stride_verifies(u * VERIFY_STRIDE_SPAN, stride, phase):
             return True
     return False
 

@@ -39,7 +39,7 @@ from kvcanary.canary.kernels._intrinsics import (
     splitmix64,
 )
 from kvcanary.canary.kernels.fast_forward import forward_head, forward_tail, sweep_serial
-from kvcanary.canary.kernels.fast_plan import build_plan, build_plan_packed
+from kvcanary.canary.kernels.fast_plan import build_plan, build_plan_packed, stride_verifies
 from kvcanary.canary.kernels.fast_stage import stage_serial
 from kvcanary.canary.kernels.fast_verify import verify, verify_serial
 from kvcanary.canary.kernels.fast_write import write, write_serial
@@ -55,6 +55,7 @@ __all__ = [
     "prefetch_element",
     "splitmix64",
     "stage_serial",
+    "stride_verifies",
     "sweep_serial",
     "verify",
     "verify_serial",

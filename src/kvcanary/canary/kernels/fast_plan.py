@@ -67,11 +67,11 @@ def _row_in_range(r2t, row, lo, hi, num_slots):  # type: ignore[no-untyped-def]
 
 
 @internal
-def _unit_on(pos, stride, phase):  # type: ignore[no-untyped-def]
-    """Whether position `pos` is verified in this phase of the verify stride
-    (`reference.verified`): its unit `pos // VERIFY_STRIDE_SPAN` modulo `stride` equals
-    `phase`. Both operands are non-negative."""
-    return (pos // VERIFY_STRIDE_SPAN) % stride == phase
+def stride_verifies(pos, stride, phase):  # type: ignore[no-untyped-def]
+    """Whether phase `phase` of the verify stride verifies position `pos`: always with stride
+    1, else when its unit `pos // VERIFY_STRIDE_SPAN` modulo `stride` equals `phase`. The
+    compiled `reference.verified`; the vLLM adapter's TAIL block list reads it too."""
+    return stride == 1 or (pos // VERIFY_STRIDE_SPAN) % stride == phase
 
 
 @internal
@@ -91,7 +91,7 @@ def _verified_count(lo, hi, stride, phase):  # type: ignore[no-untyped-def]
     a = lo
     while a < hi:
         b = _unit_end(a, hi, stride)
-        if stride == 1 or _unit_on(a, stride, phase):
+        if stride_verifies(a, stride, phase):
             n += b - a
         a = b
     return n
@@ -192,7 +192,7 @@ def plan_verifies(  # type: ignore[no-untyped-def]
             a = lo
             while a < prefix_lens[r]:
                 b = _unit_end(a, prefix_lens[r], stride)
-                if stride == 1 or _unit_on(a, stride, phase):
+                if stride_verifies(a, stride, phase):
                     for pos in range(a, b):
                         t = pos + offset
                         v_slot[k] = r2t[row, pos]
@@ -212,7 +212,7 @@ def plan_verifies(  # type: ignore[no-untyped-def]
                 err[0] = kind if kind != _OK else kind2
                 err[1] = s if kind != _OK else p
                 return
-            if stride > 1 and not _unit_on(pos, stride, phase):
+            if not stride_verifies(pos, stride, phase):
                 continue
             t = pos + offset
             v_slot[k] = s

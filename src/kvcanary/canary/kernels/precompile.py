@@ -45,26 +45,12 @@ _B, _N = types.boolean, types.int64
 _SOURCES = (_U64_2D, _U64_2D, _U64_2D, _U64_2D, _I64_2D, _N)
 _RING = (_N, _U64_2D, _I64)  # launch tag, ring rows (u64 view), ring state
 
+# the view's arrays and table, the group, truth, capacities, marks, the verify stride and phase
+_PLAN = (_I64, _I64, _I64, _I32_2D, _I64, _I64, _B, _N, _N, _I64_2D, _I64, _N, _N, _I64, _N, _N)
+
 #: kernel -> its argument types as `Canary` passes them (see runtime.py `_launch_stage`, `_plan`)
 _SIGNATURES: dict[str, tuple[types.Type, ...]] = {
-    "build_plan": (
-        _I64,
-        _I64,
-        _I64,
-        _I32_2D,
-        _I64,
-        _I64,
-        _B,
-        _N,
-        _N,
-        _I64_2D,
-        _I64,
-        _N,
-        _N,
-        _I64,
-        _N,
-        _N,
-    ),
+    "build_plan": _PLAN,
     "verify": (_U64_2D, _I64, _I64, _I64, _I64, *_SOURCES, *_RING),
     "write": (_U64_2D, _I64, _I64, _I64, _B, _I64, _I64, _B, _I64, _I64, _B, *_SOURCES, *_RING),
 }
