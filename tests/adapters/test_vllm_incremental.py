@@ -15,7 +15,7 @@ from kvcanary.adapters.vllm.prep import StepPrep
 from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
 from kvcanary.adapters.vllm.view import build_forward_view, paged_req_to_token, split_waves
 from kvcanary.canary.kernels import reference
-from kvcanary.canary.view_checks import walker_entries
+from kvcanary.canary.view_checks import runs_entries, walker_entries, walker_runs
 from kvcanary.contract import ForwardView
 
 ROWS, MAX_BLOCKS, NUM_BLOCKS = 6, 8, 40
@@ -165,6 +165,12 @@ def test_walker_array_equals_its_tuples_and_feeds_the_canary() -> None:
     assert [tuple(e) for e in arr.tolist()] == tuples
     assert tuples[4] == (20, 4, 15) and tuples[8] == (8, 16, 0)
     assert walker.walks == 2
+    block_runs = walker_runs(walker)  # what the canary reads first: one run a block
+    assert block_runs is not None and block_runs.tolist() == [[12, 0, -1, 4], [20, 4, 15, 4],
+                                                              [8, 16, 0, 4]]  # fmt: skip
+    assert runs_entries(block_runs).tolist() == arr.tolist() and walker.walks == 3
+    walker.snapshot = None
+    assert walker_runs(walker).shape == (0, 4) and walker.missed == 1  # type: ignore[union-attr]
 
 
 @given(st.integers(0, 2**32 - 1), st.sampled_from([1, 2, 16]))

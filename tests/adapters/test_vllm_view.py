@@ -18,9 +18,11 @@ from kvcanary.adapters.vllm.sweep import (
     ParentLedger,
     SnapshotWalker,
     expand,
+    runs,
     snapshot_pool,
 )
 from kvcanary.adapters.vllm.view import build_forward_view, paged_req_to_token, split_waves
+from kvcanary.canary.view_checks import runs_entries
 
 
 @given(
@@ -254,3 +256,8 @@ def test_expand_lists_each_block_slot_linked_to_its_predecessor(
     got = expand(snap, unlocked_only)
     assert got.dtype == np.int64 and got.shape == (len(want), 3)
     assert [tuple(r) for r in got.tolist()] == want
+    # the same walk as runs (`walk_runs`): one per block, expanded by the canary's rule
+    block_runs = runs(snap, unlocked_only)
+    assert block_runs.dtype == np.int64 and block_runs.flags.c_contiguous
+    assert block_runs.shape == (len(want) // b, 4) and (block_runs[:, 3] == b).all()
+    assert [tuple(r) for r in runs_entries(block_runs).tolist()] == want

@@ -15,7 +15,7 @@ from kvcanary.canary.kernels import fast, precompile
 
 _KERNELS = (
     "build_plan", "build_plan_packed", "verify", "write", "verify_serial", "write_serial",
-    "stage_serial", "forward_head", "forward_tail", "sweep_serial",
+    "stage_serial", "forward_head", "forward_tail", "sweep_serial", "sweep_runs_serial",
 )  # fmt: skip
 
 
@@ -48,7 +48,8 @@ def test_the_runtime_calls_exactly_the_precompiled_signatures() -> None:
     # A small run launches only the serial twins (every stage is below SERIAL_LAUNCH_ENTRIES):
     # each forward through the fused path (`forward_head`, `forward_tail`, which call
     # `build_plan` and `stage_serial` with the runtime's own signatures), sweeps through
-    # `sweep_serial` (which calls `verify_serial`); the runtime hands a parallel kernel the very
+    # `sweep_serial` (which calls `verify_serial`; `sweep_runs_serial` takes a walker's runs,
+    # which the reference engine's walker does not offer); the runtime hands a parallel kernel the very
     # arguments it hands its twin.
     for n in _KERNELS:
         assert called[n] in ([], expected[n]), n
@@ -63,7 +64,7 @@ print(json.dumps({n: [sum(getattr(fast, n).stats.cache_hits.values()),
                       sum(getattr(fast, n).stats.cache_misses.values())]
                   for n in ("build_plan", "build_plan_packed", "verify", "write",
                             "verify_serial", "write_serial", "stage_serial", "forward_head",
-                            "forward_tail", "sweep_serial")}))
+                            "forward_tail", "sweep_serial", "sweep_runs_serial")}))
 """
 
 _PRECOMPILE_TWO_CORES = "from kvcanary.canary.kernels import precompile; precompile.precompile(2)"

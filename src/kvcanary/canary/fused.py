@@ -25,6 +25,7 @@ import torch
 from kvcanary.canary.buffers import GroupBuffers
 from kvcanary.canary.capacities import CanaryLaunchCapacities
 from kvcanary.canary.incidents import PassRows
+from kvcanary.canary.kernels.fast_forward import FALLBACK_SWEEP
 from kvcanary.canary.plan import GroupPlan, ViewSnapshot
 from kvcanary.canary.sources import FoldSources
 from kvcanary.contract.tags import LaunchTag
@@ -120,7 +121,7 @@ class FusedForward:
     `head(view)` returns None when the general path must run (nothing was written then), else a
     `PackedForward` whose HEAD stage ran in the call (`staged`) or whose stages the runtime
     launches itself (too large for one thread). `tail(fwd)` runs a staged forward's TAIL,
-    `sweep(walked)` a small sweep. Each leaves its ring rows in `scratch` (the runtime absorbs
+    `sweep(walked)` or `sweep_runs(runs)` a small sweep. Each leaves its ring rows in `scratch` (the runtime absorbs
     them).
     """
 
@@ -139,6 +140,7 @@ class FusedForward:
         self._head_kernel = kernels.forward_head
         self._tail_kernel = kernels.forward_tail
         self._sweep_kernel = kernels.sweep_serial
+        self._sweep_runs_kernel = kernels.sweep_runs_serial
         self._group = group
         self._serial_limit = serial_limit
         self._token_check = token_check
@@ -262,3 +264,18 @@ class FusedForward:
             scratch.prepare(-done)
             done = self._sweep_kernel(walked, n_slots, *self._sweep, scratch.words, scratch.state)
         return bool(done >= 0)
+
+    def sweep_runs(self, runs: I64) -> int:
+        """`sweep` of a walk given as runs (`[m, 4]`, from `view_checks.walker_runs`), expanded
+        inside the compiled call; returns the entries verified, or -1: take the general path
+        (nothing was verified): a run out of the group's range or malformed, or a walk too
+        large for one thread."""
+        scratch = self._scratch
+        n_slots, limit = self._group.num_slots, self._serial_limit
+        done: int = self._sweep_runs_kernel(runs, n_slots, limit, *self._sweep, scratch.words,
+                                            scratch.state)  # fmt: skip
+        if FALLBACK_SWEEP < done < 0:  # the scratch ring needs room for one row per entry
+            scratch.prepare(-done)
+            done = self._sweep_runs_kernel(runs, n_slots, limit, *self._sweep, scratch.words,
+                                           scratch.state)  # fmt: skip
+        return done if done >= 0 else -1

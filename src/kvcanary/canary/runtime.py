@@ -28,7 +28,7 @@ from kvcanary.canary.perturb_seam import BindsCanary, PerturbHooks, PerturbRecor
 from kvcanary.canary.plan import GroupPlan, ViewSnapshot, build_group_plan, snapshot_view
 from kvcanary.canary.ring import ViolationRing
 from kvcanary.canary.sources import FoldSources
-from kvcanary.canary.view_checks import walker_entries
+from kvcanary.canary.view_checks import runs_entries, walker_entries, walker_runs
 from kvcanary.contract.errors import CanaryContractError
 from kvcanary.contract.groups import BufferGroupSpec, GroupKind
 from kvcanary.contract.incident import Incident
@@ -544,21 +544,30 @@ class Canary:
 
     def _sweep(self) -> None:
         assert self._walker is not None
-        walked = walker_entries(self._walker)  # range-checked per group by translate
-        if self._fused is not None and self._fused.sweep(walked):
+        fused = self._fused
+        # a walker's runs are verified as runs where the fused sweep takes them (no [n, 3]
+        # walk is built); everything else expands them, range-checked per group by translate
+        runs = walker_runs(self._walker)
+        entries = -1 if runs is None or fused is None else fused.sweep_runs(runs)
+        in_scratch = entries >= 0  # a fused sweep ran: its rows are in the scratch
+        if not in_scratch:
+            walked = walker_entries(self._walker) if runs is None else runs_entries(runs)
+            entries = len(walked)
+            in_scratch = fused is not None and fused.sweep(walked)
+            if not in_scratch:
+                self._sweep_groups(walked)
+        if in_scratch:
             rows = self._pass_rows.take()
             if len(rows):
                 self.ring.absorb(rows)
             tag = self._tags["sweep", "k", self.groups[0].name]
             self.kernel_run_counter[tag] += 1
-            self.slot_run_counter[tag] += len(walked)
-        else:
-            self._sweep_groups(walked)
+            self.slot_run_counter[tag] += entries
         self.sweep_passes += 1
         self._last_sweep_step = self.step
         self._sweep_at = self.step + self.config.sweep_interval
         logger.info(
-            "[canary] sweep pass=%d step=%d entries=%d", self.sweep_passes, self.step, len(walked)
+            "[canary] sweep pass=%d step=%d entries=%d", self.sweep_passes, self.step, entries
         )
 
     def _sweep_groups(self, walked: npt.NDArray[np.int64]) -> None:

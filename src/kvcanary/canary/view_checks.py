@@ -22,11 +22,14 @@ __all__ = [
     "check_rows_fit",
     "check_slot_range",
     "needed_tokens",
+    "runs_entries",
     "slot_error",
     "walker_entries",
+    "walker_runs",
 ]
 
 I64 = npt.NDArray[np.int64]
+_INT64_MAX = (1 << 63) - 1
 _INT_TENSOR_DTYPES = (torch.int32, torch.int64)
 
 
@@ -175,6 +178,52 @@ def walker_entries(walker: Any) -> I64:
             f"triples, got {_first_bad_entry(entries)!r}"
         )
     return arr.astype(np.int64)
+
+
+def walker_runs(walker: Any) -> I64 | None:
+    """A walker's `walk_runs()` (`PrefixCacheWalker`): the walk as an int64 `[m, 4]` array of
+    runs `(first_slot, first_position, prev_slot, length)`, or None when the walker has no such
+    method (then `walker_entries` reads the walk). CanaryContractError for anything but a
+    C-contiguous int64 `[m, 4]` array; the runs' values are checked where they are expanded
+    (`runs_entries`, or the fused sweep)."""
+    walk_runs = getattr(walker, "walk_runs", None)
+    if walk_runs is None:
+        return None
+    got = walk_runs()
+    if not (type(got) is np.ndarray and got.ndim == 2 and got.shape[1] == 4
+            and got.dtype == np.int64 and got.flags.c_contiguous):  # fmt: skip
+        raise CanaryContractError(
+            "kv-canary: the prefix-cache walker's walk_runs() must return a C-contiguous int64 "
+            "[m, 4] array of (first_slot, first_position, prev_slot, length), got "
+            f"{type(got).__name__} {getattr(got, 'dtype', '')} {getattr(got, 'shape', '')}"
+        )
+    out: I64 = got
+    return out
+
+
+def runs_entries(runs: I64) -> I64:
+    """`runs` (from `walker_runs`) as the walk's `[n, 3]` entries: entry `j` of a run is
+    `(first_slot + j, first_position + j, prev_slot if j == 0 else first_slot + j - 1)`.
+
+    CanaryContractError for a negative length, or a run whose slots or positions pass int64;
+    slot values are range-checked per group afterwards, as for any walk."""
+    first, position, prev, length = (runs[:, c] for c in range(4))
+    bad = (length < 0) | (first > _INT64_MAX - length) | (position > _INT64_MAX - length)
+    if bad.any():
+        r = int(np.flatnonzero(bad)[0])
+        raise CanaryContractError(
+            "kv-canary: the prefix-cache walker's walk_runs() gave run "
+            f"{tuple(int(x) for x in runs[r])}: its length must be >= 0 and its slots and "
+            "positions must fit int64"
+        )
+    n = int(length.sum())
+    which = np.repeat(np.arange(len(runs)), length)
+    j = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
+    out = np.empty((n, 3), dtype=np.int64)
+    out[:, 0] = first[which] + j
+    out[:, 1] = position[which] + j
+    out[:, 2] = np.where(j == 0, prev[which], out[:, 0] - 1)
+    return out
 
 
 def _first_bad_entry(entries: list[Any]) -> Any:

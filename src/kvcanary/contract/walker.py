@@ -15,9 +15,17 @@ class PrefixCacheWalker(Protocol):
     held by running requests; `swa_resident_only` skips nodes whose SWA part was evicted. The
     engine guarantees the walk reflects the cache at the moment of the call (`end_step`).
 
-    A walker may also offer `walk_array(*, unlocked_only=False, swa_resident_only=False)`: the
-    same walk as one int64 NumPy array of shape `[n, 3]`; the canary's sweep then reads it
-    without a Python step per slot (not part of the protocol: plain `walk` suffices).
+    A walker may also offer (neither is part of the protocol: plain `walk` suffices):
+
+    - `walk_array(*, unlocked_only=False, swa_resident_only=False)`: the same walk as one int64
+      NumPy array of shape `[n, 3]`; the canary's sweep then reads it without a Python step
+      per slot;
+    - `walk_runs(*, unlocked_only=False, swa_resident_only=False)`: the same walk as a
+      C-contiguous int64 array of shape `[m, 4]`, rows `(first_slot, first_position,
+      prev_slot, length)`, each standing for the entries `(first_slot + j, first_position + j,
+      prev_slot if j == 0 else first_slot + j - 1)`, `j < length` (a paged cache's block is one
+      run); a small sweep then verifies it without building the `[n, 3]` walk. Preferred over
+      `walk_array` when both exist.
     """
 
     def walk(

@@ -31,6 +31,7 @@ __all__ = [
     "LedgerEntry",
     "ParentLedger",
     "SnapshotWalker",
+    "runs",
     "snapshot_pool",
 ]
 
@@ -166,6 +167,38 @@ def _expand(rows, b, unlocked_only):  # type: ignore[no-untyped-def]
     return out
 
 
+@njit(cache=True)
+def _runs(rows, b, unlocked_only):  # type: ignore[no-untyped-def]
+    """`runs` in one compiled pass."""
+    n = 0
+    for i in range(rows.shape[0]):
+        n += 1 if not unlocked_only or rows[i, 3] == 0 else 0
+    out = np.empty((n, 4), dtype=np.int64)
+    k = 0
+    for i in range(rows.shape[0]):
+        if unlocked_only and rows[i, 3] != 0:
+            continue
+        block, parent = rows[i, 0], rows[i, 2]
+        out[k, 0] = block * b
+        out[k, 1] = rows[i, 1] * b
+        # the parent's last slot; -1 starts a sequence; 0 turns the chain check off
+        out[k, 2] = parent * b + b - 1 if parent >= 0 else (-1 if parent == FIRST else 0)
+        out[k, 3] = b
+        k += 1
+    return out
+
+
+def runs(snapshot: BlockSnapshot, unlocked_only: bool = False) -> npt.NDArray[np.int64]:
+    """The snapshot as canary walk runs (`PrefixCacheWalker.walk_runs`): one `[m, 4]` row
+    `(first slot, first position, prev_slot, block size)` per block, the walk `expand` gives
+    without a row per slot."""
+    rows = snapshot.rows
+    if rows.dtype != _INT64:
+        rows = rows.astype(np.int64)
+    out: npt.NDArray[np.int64] = _runs(rows, snapshot.block_size, unlocked_only)
+    return out
+
+
 def expand(snapshot: BlockSnapshot, unlocked_only: bool = False) -> npt.NDArray[np.int64]:
     """The snapshot as canary walker entries, `[n, 3]` rows of `(slot, position, prev_slot)`:
     each block's slots in order, the first one linked to its parent block's last slot (-1 for
@@ -202,3 +235,15 @@ class SnapshotWalker:
             return np.zeros((0, 3), dtype=np.int64)
         self.walks += 1
         return expand(snap, unlocked_only)
+
+    def walk_runs(
+        self, *, unlocked_only: bool = False, swa_resident_only: bool = False
+    ) -> npt.NDArray[np.int64]:
+        """The same walk as `[m, 4]` int64 runs, one per block (`PrefixCacheWalker.walk_runs`:
+        the canary's small sweep expands them inside its compiled call)."""
+        snap = self.snapshot
+        if snap is None:
+            self.missed += 1
+            return np.zeros((0, 4), dtype=np.int64)
+        self.walks += 1
+        return runs(snap, unlocked_only)

@@ -15,7 +15,7 @@ This module is the facade; the kernels live in one module per concept:
 * `fast_write`: `write`, its parallel chain tasks and the ring replay;
 * `fast_stage`: `stage_serial`, a small stage's verify and write in one call;
 * `fast_forward`: `forward_head` / `forward_tail`, a small forward's checks, plan and HEAD in
-  one call and its TAIL in another, and `sweep_serial`, a small sweep (the runtime's fused
+  one call and its TAIL in another, and `sweep_serial` / `sweep_runs_serial`, a small sweep (the runtime's fused
   path, `canary.fused`; the reference kernels have no twin: the general path is its reference).
 
 `verify_serial` and `write_serial` are the two parallel kernels compiled without threads,
@@ -38,7 +38,12 @@ from kvcanary.canary.kernels._intrinsics import (
     prefetch_element,
     splitmix64,
 )
-from kvcanary.canary.kernels.fast_forward import forward_head, forward_tail, sweep_serial
+from kvcanary.canary.kernels.fast_forward import (
+    forward_head,
+    forward_tail,
+    sweep_runs_serial,
+    sweep_serial,
+)
 from kvcanary.canary.kernels.fast_plan import build_plan, build_plan_packed, stride_verifies
 from kvcanary.canary.kernels.fast_stage import stage_serial
 from kvcanary.canary.kernels.fast_verify import verify, verify_serial
@@ -56,6 +61,7 @@ __all__ = [
     "splitmix64",
     "stage_serial",
     "stride_verifies",
+    "sweep_runs_serial",
     "sweep_serial",
     "verify",
     "verify_serial",

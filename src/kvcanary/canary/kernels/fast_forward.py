@@ -3,7 +3,8 @@
 `forward_head` does what `Canary.pre_forward` does for the common view (one launch per stage,
 no fault injector, not `recover`), on the calling thread: the snapshot's contract checks
 (SPEC §2.2, §6), the copies, the plan with its range checks (§5.1, §14.2) and the HEAD stage.
-`forward_tail` runs the TAIL stage over the same packed plan, `sweep_serial` a small sweep. In vLLM the Python around a
+`forward_tail` runs the TAIL stage over the same packed plan, `sweep_serial` a small sweep
+(`sweep_runs_serial` one given as runs of consecutive slots, expanded in the call). In vLLM the Python around a
 forward's six small calls (snapshot, plan, two stages, their scratch passes) cost about three
 times the work, most of it cold-cache interpreter time right after the model's forward.
 
@@ -25,7 +26,7 @@ from kvcanary.canary.kernels.fast_verify import verify_serial
 
 __all__ = [
     "DONE", "FALLBACK", "FALLBACK_SWEEP", "GROW_PACKED", "GROW_SCRATCH", "PLAN_ONLY", "forward_head",
-    "forward_tail", "sweep_serial",
+    "forward_tail", "sweep_runs_serial", "sweep_serial",
 ]  # fmt: skip
 
 #: `forward_head` statuses: the HEAD stage ran; the plan is built but the stage is too large
@@ -211,6 +212,53 @@ def sweep_serial(  # type: ignore[no-untyped-def]
         prevs[i] = p
     if n > ring.shape[0]:
         return -n
+    state[0] = 0
+    verify_serial(buf, slots, prevs, positions, tokens, s0, s1, s2, s3, params, count, tag, ring,
+                  state)  # fmt: skip
+    return n
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
+@njit(cache=True)
+def sweep_runs_serial(  # type: ignore[no-untyped-def]
+    runs, num_slots, serial_limit, buf, s0, s1, s2, s3, params, count, tag, ring, state
+):  # fmt: skip
+    """`sweep_serial` of a walk given as runs (`[m, 4]` first slot, first position, prev slot,
+    length: a walker's `walk_runs`), expanded here: entry `j` of a run is slot `first + j` at
+    position `position + j`, its predecessor `prev` for `j = 0` and `first + j - 1` after.
+    Empty runs are skipped. `FALLBACK_SWEEP` (nothing verified) for a run with a negative
+    length, a slot outside `[0, num_slots)`, a predecessor outside `[-1, num_slots)`, a position
+    past int64, or a walk of `serial_limit` entries or more (the general path expands it and
+    raises the SPEC's error, or does the work); else as `sweep_serial`."""
+    m = runs.shape[0]
+    n = 0
+    for r in range(m):
+        length = runs[r, 3]
+        if length == 0:
+            continue
+        first, position, prev = runs[r, 0], runs[r, 1], runs[r, 2]
+        if (length < 0 or length > num_slots or first < 0 or first > num_slots - length
+                or prev < -1 or prev >= num_slots or position > _INT64_MAX - length):  # fmt: skip
+            return FALLBACK_SWEEP
+        n += length
+        if n >= serial_limit:
+            return FALLBACK_SWEEP
+    if n > ring.shape[0]:
+        return -n
+    slots = np.empty(n, dtype=np.int64)
+    prevs = np.empty(n, dtype=np.int64)
+    positions = np.empty(n, dtype=np.int64)
+    tokens = np.full(n, -1, dtype=np.int64)
+    k = 0
+    for r in range(m):
+        first, position, prev = runs[r, 0], runs[r, 1], runs[r, 2]
+        for j in range(runs[r, 3]):
+            slots[k] = first + j
+            positions[k] = position + j
+            prevs[k] = prev if j == 0 else first + j - 1
+            k += 1
     state[0] = 0
     verify_serial(buf, slots, prevs, positions, tokens, s0, s1, s2, s3, params, count, tag, ring,
                   state)  # fmt: skip

@@ -28,7 +28,12 @@ from numba import types
 
 import kvcanary
 from kvcanary.canary.kernels import compile_cache
-from kvcanary.canary.kernels.fast_forward import forward_head, forward_tail, sweep_serial
+from kvcanary.canary.kernels.fast_forward import (
+    forward_head,
+    forward_tail,
+    sweep_runs_serial,
+    sweep_serial,
+)
 from kvcanary.canary.kernels.fast_plan import build_plan, build_plan_packed
 from kvcanary.canary.kernels.fast_stage import stage_serial
 from kvcanary.canary.kernels.fast_verify import verify, verify_serial
@@ -71,6 +76,7 @@ _SIGNATURES["forward_head"] = (
 )  # fmt: skip
 _SIGNATURES["forward_tail"] = (_I64, _N, _N, _N, _N, _B, _B, _B, *_LAUNCH)
 _SIGNATURES["sweep_serial"] = (_I64_2D, _N, *_LAUNCH)  # a walk, the group's slots, one launch
+_SIGNATURES["sweep_runs_serial"] = (_I64_2D, _N, _N, *_LAUNCH)  # runs, slots, serial limit, launch
 
 _KERNELS: dict[str, Callable[..., object]] = {
     "build_plan": build_plan,
@@ -83,6 +89,7 @@ _KERNELS: dict[str, Callable[..., object]] = {
     "forward_head": forward_head,
     "forward_tail": forward_tail,
     "sweep_serial": sweep_serial,
+    "sweep_runs_serial": sweep_runs_serial,
 }
 
 #: compile groups of about equal cost (seconds on a 2-core machine, each in a fresh process: write
@@ -91,7 +98,14 @@ _KERNELS: dict[str, Callable[..., object]] = {
 #: imports done; a child first spends ~2 s importing numba and the package.
 GROUPS: tuple[tuple[str, ...], ...] = (
     ("write", "write_serial", "stage_serial", "forward_tail", "forward_head"),
-    ("verify", "verify_serial", "build_plan", "build_plan_packed", "sweep_serial"),
+    (
+        "verify",
+        "verify_serial",
+        "build_plan",
+        "build_plan_packed",
+        "sweep_serial",
+        "sweep_runs_serial",
+    ),
 )
 
 
