@@ -229,21 +229,22 @@ class SnapshotWalker:
     ) -> npt.NDArray[np.int64]:
         """The same walk as one `[n, 3]` int64 array (`PrefixCacheWalker.walk_array`: the
         canary takes it without a Python step per slot)."""
-        snap = self.snapshot
-        if snap is None:
-            self.missed += 1
-            return np.zeros((0, 3), dtype=np.int64)
-        self.walks += 1
-        return expand(snap, unlocked_only)
+        snap = self._counted()
+        return np.zeros((0, 3), dtype=np.int64) if snap is None else expand(snap, unlocked_only)
 
     def walk_runs(
         self, *, unlocked_only: bool = False, swa_resident_only: bool = False
     ) -> npt.NDArray[np.int64]:
         """The same walk as `[m, 4]` int64 runs, one per block (`PrefixCacheWalker.walk_runs`:
         the canary's small sweep expands them inside its compiled call)."""
+        snap = self._counted()
+        return np.zeros((0, 4), dtype=np.int64) if snap is None else runs(snap, unlocked_only)
+
+    def _counted(self) -> BlockSnapshot | None:
+        """This step's snapshot, counted as a walk (or, without one, as a missed sweep)."""
         snap = self.snapshot
         if snap is None:
             self.missed += 1
-            return np.zeros((0, 4), dtype=np.int64)
-        self.walks += 1
-        return runs(snap, unlocked_only)
+        else:
+            self.walks += 1
+        return snap
