@@ -121,8 +121,8 @@ class FusedForward:
     `head(view)` returns None when the general path must run (nothing was written then), else a
     `PackedForward` whose HEAD stage ran in the call (`staged`) or whose stages the runtime
     launches itself (too large for one thread). `tail(fwd)` runs a staged forward's TAIL,
-    `sweep(walked)` or `sweep_runs(runs)` a small sweep. Each leaves its ring rows in `scratch` (the runtime absorbs
-    them).
+    `sweep(walked)` or `sweep_runs(runs)` a small sweep. Each leaves its ring rows in
+    `scratch` (the runtime absorbs them).
     """
 
     def __init__(

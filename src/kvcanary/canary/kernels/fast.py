@@ -15,8 +15,9 @@ This module is the facade; the kernels live in one module per concept:
 * `fast_write`: `write`, its parallel chain tasks and the ring replay;
 * `fast_stage`: `stage_serial`, a small stage's verify and write in one call;
 * `fast_forward`: `forward_head` / `forward_tail`, a small forward's checks, plan and HEAD in
-  one call and its TAIL in another, and `sweep_serial` / `sweep_runs_serial`, a small sweep (the runtime's fused
-  path, `canary.fused`; the reference kernels have no twin: the general path is its reference).
+  one call and its TAIL in another, and `sweep_serial` / `sweep_runs_serial`, a small sweep
+  (the runtime's fused path, `canary.fused`; the reference kernels have no twin: the general
+  path is its reference).
 
 `verify_serial` and `write_serial` are the two parallel kernels compiled without threads,
 byte-equal to them: the runtime launches them for small stages (a decode step), where waking the

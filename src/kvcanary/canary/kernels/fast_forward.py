@@ -4,9 +4,10 @@
 no fault injector, not `recover`), on the calling thread: the snapshot's contract checks
 (SPEC §2.2, §6), the copies, the plan with its range checks (§5.1, §14.2) and the HEAD stage.
 `forward_tail` runs the TAIL stage over the same packed plan, `sweep_serial` a small sweep
-(`sweep_runs_serial` one given as runs of consecutive slots, expanded in the call). In vLLM the Python around a
-forward's six small calls (snapshot, plan, two stages, their scratch passes) cost about three
-times the work, most of it cold-cache interpreter time right after the model's forward.
+(`sweep_runs_serial` one given as runs of consecutive slots, expanded in the call). In vLLM
+the Python around a forward's six small calls (snapshot, plan, two stages, their scratch
+passes) cost about three times the work, most of it cold-cache interpreter time right after
+the model's forward.
 
 Nothing here raises or formats an error: any view the checks do not pass returns `FALLBACK`
 before anything is written, and the runtime runs the general path, which names the problem in
@@ -201,7 +202,6 @@ def sweep_serial(  # type: ignore[no-untyped-def]
     slots = np.empty(n, dtype=np.int64)
     prevs = np.empty(n, dtype=np.int64)
     positions = np.empty(n, dtype=np.int64)
-    tokens = np.full(n, -1, dtype=np.int64)
     for i in range(n):
         s = walked[i, 0]
         p = walked[i, 2]
@@ -212,9 +212,20 @@ def sweep_serial(  # type: ignore[no-untyped-def]
         prevs[i] = p
     if n > ring.shape[0]:
         return -n
+    return _verify_walk(slots, positions, prevs, buf, s0, s1, s2, s3, params, count, tag, ring,
+                        state)  # fmt: skip
+
+
+@njit(cache=True)
+def _verify_walk(  # type: ignore[no-untyped-def]
+    slots, positions, prevs, buf, s0, s1, s2, s3, params, count, tag, ring, state
+):  # fmt: skip
+    """`verify_serial` of a sweep's entries (no token expected), rows into `ring`/`state`
+    (reset first); returns the entries."""
+    n = slots.shape[0]
     state[0] = 0
-    verify_serial(buf, slots, prevs, positions, tokens, s0, s1, s2, s3, params, count, tag, ring,
-                  state)  # fmt: skip
+    verify_serial(buf, slots, prevs, positions, np.full(n, -1, dtype=np.int64), s0, s1, s2, s3,
+                  params, count, tag, ring, state)  # fmt: skip
     return n
 
 
@@ -250,7 +261,6 @@ def sweep_runs_serial(  # type: ignore[no-untyped-def]
     slots = np.empty(n, dtype=np.int64)
     prevs = np.empty(n, dtype=np.int64)
     positions = np.empty(n, dtype=np.int64)
-    tokens = np.full(n, -1, dtype=np.int64)
     k = 0
     for r in range(m):
         first, position, prev = runs[r, 0], runs[r, 1], runs[r, 2]
@@ -259,7 +269,5 @@ def sweep_runs_serial(  # type: ignore[no-untyped-def]
             positions[k] = position + j
             prevs[k] = prev if j == 0 else first + j - 1
             k += 1
-    state[0] = 0
-    verify_serial(buf, slots, prevs, positions, tokens, s0, s1, s2, s3, params, count, tag, ring,
-                  state)  # fmt: skip
-    return n
+    return _verify_walk(slots, positions, prevs, buf, s0, s1, s2, s3, params, count, tag, ring,
+                        state)  # fmt: skip
