@@ -12,7 +12,11 @@ the default (0) leaves the caches as the oracle model's forward leaves them.
 
 Per cell, after the prefill and `--warmup` decode steps, `--steps` decode steps are timed; the
 canary's own time is the hooks' timer (pre_forward + post_forward + end_step) and its entries
-are the verify entries and record writes of the step (`canary.slot_run_counter` deltas). Bytes
+are the verify entries and record writes of the step (`canary.slot_run_counter` deltas). The
+grid is measured `--passes` times, pass after pass (each pass visits every cell), and a cell's
+figures pool its steps of every pass: a slow stretch of a shared host then weighs on one pass of
+every cell instead of on all the steps of a few cells (one pass of the same code gave c0 = 35 and
+84 us minutes apart on a noisy host). Each pass's own fit is printed as it ends. Bytes
 touched per step, as in bench/engine_overhead.py: verify entries x 64 (record + chain
 predecessor) + writes x 32 + 16 x real-KV sources x (TAIL and SWEEP entries). The table prints
 the median per cell; then a least-squares fit `time = c0 + c1 * entries` over all cells (weighted
@@ -24,9 +28,9 @@ this thread with the default `--threads 1`), so that other processes on a shared
 add their time slices to it; the hooks' wall-clock time is printed beside it.
 
     python bench/scaling.py [--quick] [--batches 1,4,16,64,256] [--contexts 256,1024,4096,16384]
-                            [--max-entries 524288] [--steps 21] [--json PATH]
+                            [--max-entries 524288] [--steps 21] [--passes 3] [--json PATH]
 
-`--quick` runs a 2 x 2 grid with 3 steps (a smoke test, seconds). Cells with more than
+`--quick` runs a 2 x 2 grid with 3 steps, twice (a smoke test, seconds). Cells with more than
 `--max-entries` context tokens (B x L) are skipped to bound memory and time.
 """
 
@@ -77,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", type=int_list, default="256,1024,4096,16384",
                    help="comma-separated prompt lens")  # fmt: skip
     p.add_argument("--max-entries", type=int, default=1 << 19, help="skip cells with B x L above")
-    p.add_argument("--steps", type=int, default=21, help="timed decode steps per cell")
+    p.add_argument("--steps", type=int, default=21, help="timed decode steps per cell and pass")
+    p.add_argument("--passes", type=int, default=3, help="measurements of the whole grid")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per cell")
     p.add_argument("--flush-mb", type=int, default=0, help="MiB read before each step")
     p.add_argument("--kv-heads", type=int, default=1, help="pool K/V heads (x head_dim 64, fp32)")
@@ -88,8 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.contexts, args.steps, args.warmup = [1, 8], [256, 1024], 3, 1
+        args.passes = 2
     if args.steps < 2:
         p.error(f"--steps {args.steps}: must be >= 2")
+    if args.passes < 1:
+        p.error(f"--passes {args.passes}: must be >= 1")
     return args
 
 
@@ -215,13 +223,34 @@ def measure_cell(
     return {
         "batch": batch,
         "context": context,
-        "context_mean": round(statistics.fmean(contexts), 1),
-        "entries": int(statistics.median(entries)),
-        "bytes": int(statistics.median(nbytes)),
+        "contexts": contexts,
+        "entries": entries,
+        "bytes": nbytes,
+        "times": times,
+        "walls": walls,
+        "prefill_seconds": prefill_seconds,
+    }
+
+
+def pooled(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell's table row from its `measure_cell` results (one per pass): medians over the
+    steps of every pass."""
+
+    def every(key: str) -> list[float]:
+        return [x for s in steps for x in s[key]]
+
+    times = every("times")
+    return {
+        "batch": steps[0]["batch"],
+        "context": steps[0]["context"],
+        "context_mean": round(statistics.fmean(every("contexts")), 1),
+        "entries": int(statistics.median(every("entries"))),
+        "bytes": int(statistics.median(every("bytes"))),
         "canary_us_median": round(1e6 * statistics.median(times), 2),
         "canary_us_min": round(1e6 * min(times), 2),
-        "canary_wall_us_median": round(1e6 * statistics.median(walls), 2),
-        "prefill_seconds": round(prefill_seconds, 2),
+        "canary_wall_us_median": round(1e6 * statistics.median(every("walls")), 2),
+        "prefill_seconds": round(statistics.median(s["prefill_seconds"] for s in steps), 2),
+        "passes": len(steps),
     }
 
 
@@ -262,30 +291,35 @@ def main(argv: list[str] | None = None) -> int:
     args.timer_overhead = timer_overhead()
     load_before = os.getloadavg()[0]
     measure_cell(args, 1, 64, flush)  # compile / load the kernels outside the table
-    cells = []
+    grid = [(b, c) for b in args.batches for c in args.contexts if b * c <= args.max_entries]
+    measured: dict[tuple[int, int], list[dict[str, Any]]] = {cell: [] for cell in grid}
+    pass_fits = []
+    for k in range(args.passes):
+        for batch, context in grid:
+            measured[batch, context].append(measure_cell(args, batch, context, flush))
+        if len(grid) >= 2:  # this pass alone: how far one pass's fit strays
+            one = fit([pooled([m[k]]) for m in measured.values()])
+            pass_fits.append(one)
+            print(f"pass {k + 1}/{args.passes}: {len(grid)} cells, c0 = {one['c0_us']:.1f} us, "
+                  f"c1 = {one['c1_ns_per_entry']:.2f} ns per entry", flush=True)  # fmt: skip
+    cells = [pooled(measured[cell]) for cell in grid]
     print(
         f"canary scaling (reference engine, oracle model, log + real-data partial + sweep 16, "
         f"{numba.get_num_threads()} numba threads, flush {args.flush_mb} MiB per step; "
-        f"canary CPU time, median of {args.steps} decode steps, less "
+        f"canary CPU time, median of {args.steps} decode steps x {args.passes} passes, less "
         f"{1e6 * args.timer_overhead:.2f} us clock cost per hook call)"
     )
     print(
         f"{'batch':>6}{'context':>9}{'entries/step':>14}{'bytes/step':>14}"
         f"{'canary us':>12}{'min us':>10}{'wall us':>10}{'ns/entry':>10}"
     )
-    for batch in args.batches:
-        for context in args.contexts:
-            if batch * context > args.max_entries:
-                continue
-            c = measure_cell(args, batch, context, flush)
-            cells.append(c)
-            print(
-                f"{batch:>6}{context:>9}{c['entries']:>14,}{c['bytes']:>14,}"
-                f"{c['canary_us_median']:>12.1f}{c['canary_us_min']:>10.1f}"
-                f"{c['canary_wall_us_median']:>10.1f}"
-                f"{1000 * c['canary_us_median'] / c['entries']:>10.2f}",
-                flush=True,
-            )
+    for c in cells:
+        print(
+            f"{c['batch']:>6}{c['context']:>9}{c['entries']:>14,}{c['bytes']:>14,}"
+            f"{c['canary_us_median']:>12.1f}{c['canary_us_min']:>10.1f}"
+            f"{c['canary_wall_us_median']:>10.1f}"
+            f"{1000 * c['canary_us_median'] / c['entries']:>10.2f}"
+        )
     result = fit(cells) if len(cells) >= 2 else {}
     if result:
         verdict = "PASS" if result["c0_us"] <= C0_GOAL_US else "MISS"
@@ -293,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             f"fit time = c0 + c1 * entries (weighted 1/time): c0 = {result['c0_us']:.1f} us per "
             f"step (goal <= {C0_GOAL_US:.0f} us) {verdict}, c1 = {result['c1_ns_per_entry']:.2f} "
             f"ns per entry, largest relative residual {100 * result['max_relative_residual']:.0f} %"
+            f" (all {args.passes} passes pooled)"
         )
         print(
             f"  unweighted: c0 = {result['ols_c0_us']:.1f} us, c1 = "
@@ -302,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()[0]
     print(f"loadavg 1m before/after: {load_before:.2f} / {load_after:.2f} on {os.cpu_count()} cpus")
     if args.json is not None:
-        args.json.write_text(json.dumps({"cells": cells, "fit": result}, indent=2) + "\n")
+        figures = {"cells": cells, "fit": result, "pass_fits": pass_fits}
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
 

@@ -35,8 +35,12 @@ def test_scaling_quick_prints_table_and_fit(tmp_path: Path) -> None:
     ]
     assert [(int(r[0]), int(r[1])) for r in rows] == [(1, 256), (1, 1024), (8, 256), (8, 1024)]
     assert re.search(r"c0 = -?[\d.]+ us per step .* c1 = -?[\d.]+ ns per entry", proc.stdout)
+    # `--quick` measures the grid twice, pass after pass, and pools each cell's steps
+    assert re.findall(r"^pass (\d)/2: 4 cells, c0 = -?[\d.]+ us", proc.stdout, re.M) == ["1", "2"]
     figures = json.loads(out_json.read_text())
     cells = figures["cells"]
+    assert [c["passes"] for c in cells] == [2, 2, 2, 2]
+    assert len(figures["pass_fits"]) == 2
     # the bench counts what the canary verified: HEAD + TAIL over each context, plus the writes
     for cell in cells:
         assert cell["entries"] >= 2 * cell["batch"] * cell["context"]

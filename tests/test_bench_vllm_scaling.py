@@ -27,11 +27,14 @@ def _run(*flags: str) -> subprocess.CompletedProcess[str]:
 
 def test_small_grid_prints_table_and_fit(tmp_path: Path) -> None:
     out_json = tmp_path / "vllm_scaling.json"
-    proc = _run("--batches", "1,2", "--prompts", "32,64", "--decode", "4", "--repeats", "1",
+    proc = _run("--batches", "1,2", "--prompts", "32,64", "--decode", "4", "--repeats", "2",
                 "--json", str(out_json))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert re.search(r"c0 = -?[\d.]+ us per step .* c1 = -?[\d.]+ ns per entry", proc.stdout)
+    # the grid is run once a pass, each pass fitted on its own as it ends
+    assert re.findall(r"^pass (\d)/2: 4 cells, c0 = -?[\d.]+ us", proc.stdout, re.M) == ["1", "2"]
     figures = json.loads(out_json.read_text())
+    assert len(figures["pass_fits"]) == 2
     cells = figures["cells"]
     assert [(c["batch"], c["prompt"]) for c in cells] == [(1, 32), (1, 64), (2, 32), (2, 64)]
     for c in cells:
