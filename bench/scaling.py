@@ -15,8 +15,8 @@ canary's own time is the hooks' timer (pre_forward + post_forward + end_step) an
 are the verify entries and record writes of the step (`canary.slot_run_counter` deltas). The
 grid is measured `--passes` times, pass after pass (each pass visits every cell), and a cell's
 figures pool its steps of every pass: a slow stretch of a shared host then weighs on one pass of
-every cell instead of on all the steps of a few cells (one pass of the same code gave c0 = 35 and
-84 us minutes apart on a noisy host). Each pass's own fit is printed as it ends. Bytes
+every cell instead of on all the steps of a few cells. Each pass's own fit is printed as it ends
+(each cell's figure of the pass goes to stderr as it is measured). Bytes
 touched per step, as in bench/engine_overhead.py: verify entries x 64 (record + chain
 predecessor) + writes x 32 + 16 x real-KV sources x (TAIL and SWEEP entries). The table prints
 the median per cell; then a least-squares fit `time = c0 + c1 * entries` over all cells (weighted
@@ -296,7 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     pass_fits = []
     for k in range(args.passes):
         for batch, context in grid:
-            measured[batch, context].append(measure_cell(args, batch, context, flush))
+            got = measure_cell(args, batch, context, flush)
+            measured[batch, context].append(got)
+            print(f"  pass {k + 1}/{args.passes}: batch {batch}, context {context}: "
+                  f"{1e6 * statistics.median(got['times']):.1f} us", file=sys.stderr,
+                  flush=True)  # fmt: skip
         if len(grid) >= 2:  # this pass alone: how far one pass's fit strays
             one = fit([pooled([m[k]]) for m in measured.values()])
             pass_fits.append(one)

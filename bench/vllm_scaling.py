@@ -10,12 +10,13 @@ budget) the longer run's early rows decode beside later rows' chunks, so a few o
 steps carry prefill tokens too.
 Its time is the canary's own time (the worker's timer around its hooks: view, HEAD, mirror,
 TAIL, sweeps; `canary_seconds`), its entries the protected-slot checks (verify entries and
-record writes of every stage, sweeps included), both per decode step. The grid is run `--repeats` times,
-pass after pass (each pass visits every cell, so a slow stretch of a shared host weighs on one
-pass of every cell rather than on all the repeats of a few cells), and each cell's median over
-the passes is printed; so is each pass's own fit, as the pass ends. A weighted least-squares fit `time = c0 + c1 * entries`
-over the cells (weights 1/time, as `bench/scaling.py` fits the reference engine) gives the
-fixed per-step constant c0 (goal <= 100 us) and the cost per entry c1.
+record writes of every stage, sweeps included), both per decode step. The grid is run
+`--repeats` times, pass after pass (each pass visits every cell, so a slow stretch of a shared
+host weighs on one pass of every cell rather than on all the repeats of a few cells), and each
+cell's median over the passes is printed; so is each pass's own fit, as the pass ends. A
+weighted least-squares fit `time = c0 + c1 * entries` over the cells (weights 1/time, as
+`bench/scaling.py` fits the reference engine) gives the fixed per-step constant c0 (goal <=
+100 us) and the cost per entry c1.
 
 The scheduler side (the pool snapshot for a sweep, per-step stats) is not in this time:
 `bench/vllm_hooks.py` times it. The canary-off arm and on/off ratios are `bench/vllm_overhead.py`.
