@@ -32,6 +32,7 @@ from kvcanary.adapters.vllm.sweep import BlockSnapshot, SnapshotWalker
 from kvcanary.canary import Canary, CanaryLaunchCapacities, install
 from kvcanary.canary.config import CanaryConfig, CanaryMode, RealDataMode
 from kvcanary.contract import BufferGroupSpec, ForwardView, GroupKind, RealKvSource
+from scaling import int_list  # bench/scaling.py: comma-separated integers >= 1, as argparse type
 
 TOKEN_BYTES = 32
 
@@ -113,17 +114,15 @@ def measure(blocks: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--blocks", default="1024,16384", help="pool sizes in blocks, comma-separated")
+    p.add_argument("--blocks", type=int_list, default="1024,16384",
+                   help="pool sizes in blocks, comma-separated")  # fmt: skip
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.blocks.split(",")]
-    except ValueError:
-        p.error(f"--blocks must be comma-separated integers, got {args.blocks!r}")
+    sizes = args.blocks
     if any(s < 2 * args.requests + 1 for s in sizes) or args.requests < 1 or args.block_size < 1:
         p.error(
             "--blocks must each be at least 2 * --requests + 1; --requests and --block-size >= 1"
