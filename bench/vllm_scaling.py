@@ -1,8 +1,8 @@
 """How the canary's own time per decode step grows inside vLLM, and its fixed per-step constant.
 
 One in-process vLLM engine (`bench/vllm_hooks.py`'s: the test suite's tiny Llama, block size
-32, prefix caching on, the canary in `log` + real-data `partial` + sweep every 4 steps + token
-checks; vLLM's default dtype unless `--dtype`) serves `B` requests of `P`-token prompts for each
+32, prefix caching on, the canary in `log` + real-data `partial` + a sweep every 4 steps
+(`--sweep-interval`) + token checks; vLLM's default dtype unless `--dtype`) serves `B` requests of `P`-token prompts for each
 cell of a grid. A cell's decode figures are the difference of two runs over the same prompts
 (prefix cache reset before each): one generating `1 + --decode` tokens a request, one
 generating 1 (the prefill alone). Where the prefill is chunked (B x P above the 512-token step
@@ -22,7 +22,8 @@ The scheduler side (the pool snapshot for a sweep, per-step stats) is not in thi
 `bench/vllm_hooks.py` times it. The canary-off arm and on/off ratios are `bench/vllm_overhead.py`.
 
     python bench/vllm_scaling.py [--batches 1,4,16] [--prompts 32,128,384] [--decode 32]
-                                 [--repeats 3] [--dtype auto|bfloat16|float32] [--json PATH]
+                                 [--repeats 3] [--dtype auto|bfloat16|float32]
+                                 [--sweep-interval 4] [--json PATH]
 """
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from scaling import fit, int_list  # bench/scaling.py: the same weighted fit for both engines
-from vllm_hooks import MAX_MODEL_LEN, MAX_SEQS, profiled_engine  # the profile's engine
+from vllm_hooks import (  # bench/vllm_hooks.py: the profile's engine and its canary settings
+    MAX_MODEL_LEN,
+    MAX_SEQS,
+    add_sweep_interval,
+    bench_env,
+    profiled_engine,
+    sweeps_text,
+)
 
 GOAL_C0_US = 100.0
 
@@ -52,6 +60,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--json", dest="json_path", type=Path, default=None)
+    add_sweep_interval(ap)
     args = ap.parse_args()
     batches, prompts = args.batches, args.prompts
     if max(batches) > MAX_SEQS:
@@ -61,6 +70,7 @@ def main() -> int:
                  f"must be at most {MAX_MODEL_LEN} tokens (max_model_len)")  # fmt: skip
     if args.decode < 1 or args.repeats < 1:
         ap.error(f"--decode {args.decode} / --repeats {args.repeats}: each must be at least 1")
+    canary_env = bench_env(ap, args)  # refuses a conflicting environment now
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
@@ -69,7 +79,7 @@ def main() -> int:
 
     from kvcanary.app.vllm.workload import VllmRequest
 
-    engine = profiled_engine(args.dtype)
+    engine = profiled_engine(args.dtype, env=canary_env)
 
     def run(batch: int, prompt: int, tokens: int, seed: int) -> dict[str, Any]:
         rng = random.Random(f"{batch}:{prompt}:{seed}")
@@ -108,7 +118,8 @@ def main() -> int:
                   flush=True)  # fmt: skip
     cells: list[dict[str, Any]] = []
     print(f"canary per decode step inside vLLM (tiny model, dtype {engine.dtype}, log + partial + "
-          f"sweep 4; median of {args.repeats} prefill-subtracted runs, one a pass)")  # fmt: skip
+          f"{sweeps_text(args.sweep_interval)}; median of {args.repeats} prefill-subtracted runs, "
+          f"one a pass)")  # fmt: skip
     print(f"{'batch':>5} {'prompt':>6} {'steps':>6} {'entries/step':>13} {'canary us':>10} "
           f"{'ns/entry':>9}")  # fmt: skip
     for (batch, prompt), got in passes.items():
@@ -137,7 +148,8 @@ def main() -> int:
           f"{result['ols_c1_ns_per_entry']:.2f} ns per entry, R^2 = {result['ols_r2']:.4f}; "
           f"smallest cell {result['smallest_cell_us']:.1f} us")  # fmt: skip
     if args.json_path is not None:
-        figures = {"cells": cells, "fit": result, "pass_fits": pass_fits}
+        figures = {"cells": cells, "fit": result, "pass_fits": pass_fits,
+                   "sweep_interval": args.sweep_interval}  # fmt: skip
         args.json_path.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
