@@ -42,6 +42,7 @@ def test_small_workload_reports_both_kinds(tmp_path: Path) -> None:
         assert f["overhead_ratio"] == pytest.approx(
             f["on_seconds_median"] / f["off_seconds_median"], rel=1e-2
         )
+        assert f["fastest_overhead_ratio"] > 0
         # the on arm ran the canary (its own time is timed inside the adapter), and no more
         # than the whole run
         assert 0 < f["canary_share_of_on"] < 1
