@@ -34,6 +34,8 @@ from typing import Any
 
 #: the profiled engine's sequence and context limits (`bench/vllm_scaling.py` checks its grid)
 MAX_SEQS, MAX_MODEL_LEN = 16, 512
+#: the canary settings every vLLM bench runs with (the sweep cadence is `--sweep-interval`)
+BENCH_CANARY = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial"}
 
 
 def model_spec(hidden: int = 256, layers: int = 2) -> Any:
@@ -84,13 +86,12 @@ def bench_env(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str
             args.sweep_interval = 4 if given is None else sweep_interval_arg(given)
         except argparse.ArgumentTypeError as exc:
             ap.error(f"KVCANARY_SWEEP_INTERVAL={given}: {exc}; unset it or pass --sweep-interval")
-    env = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial"}
-    for name, value in env.items():
+    for name, value in BENCH_CANARY.items():
         given = os.environ.get(name)
         if given is not None and given.strip().lower() != value:
             ap.error(f"{name}={given} in the environment: this bench runs the canary with "
                      f"{name}={value}; unset {name} to run it")  # fmt: skip
-    return {**env, "KVCANARY_SWEEP_INTERVAL": str(args.sweep_interval)}
+    return {**BENCH_CANARY, "KVCANARY_SWEEP_INTERVAL": str(args.sweep_interval)}
 
 
 def profiled_engine(dtype: str, hidden: int = 256, layers: int = 2,
@@ -103,8 +104,7 @@ def profiled_engine(dtype: str, hidden: int = 256, layers: int = 2,
     from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
     from kvcanary.app.vllm.model import ensure_tiny_llama
 
-    env = env or {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial",
-                  "KVCANARY_SWEEP_INTERVAL": "4"}  # fmt: skip
+    env = env or {**BENCH_CANARY, "KVCANARY_SWEEP_INTERVAL": "4"}
     spec = model_spec(hidden, layers)
     settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=MAX_SEQS,
                             max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN,
