@@ -4,6 +4,7 @@ signature or call-order change in vLLM fails here first (docs/architecture.md li
 from __future__ import annotations
 
 import inspect
+import logging
 
 import pytest
 
@@ -239,3 +240,32 @@ def test_the_plugin_holds_amx_tile_state_where_the_cpu_has_amx() -> None:
         assert (before, granted, after) == ("False", "True", "True")
     else:
         assert (granted, after) == ("False", before)
+
+
+_SWEEP_LINES_PROBE = """
+import logging, sys
+from kvcanary.adapters.vllm.plugin import register_from_env
+if sys.argv[1] == "user-set":
+    logging.getLogger("kvcanary.sweep").setLevel(logging.INFO)
+register_from_env({"KVCANARY_MODE": "log"})
+print(logging.getLogger("kvcanary").getEffectiveLevel(),
+      logging.getLogger("kvcanary.sweep").getEffectiveLevel())
+"""
+
+
+@pytest.mark.parametrize(("case", "sweep_level"), [("default", logging.WARNING),
+                                                    ("user-set", logging.INFO)])  # fmt: skip
+def test_the_plugin_quiets_the_per_sweep_line_unless_its_level_was_set(
+    case: str, sweep_level: int
+) -> None:
+    """In a fresh vLLM process (the plugin's entry point, as vLLM loads it) the canary's other
+    INFO lines print but the line per sweep does not, unless the user set its logger's level."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _SWEEP_LINES_PROBE, case], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    canary_level, sweeps = map(int, done.stdout.split()[-2:])
+    assert canary_level == logging.INFO
+    assert sweeps == sweep_level

@@ -59,12 +59,16 @@ def test_sweep_catches_a_flip_in_an_untouched_cached_slot(
     canary.attach_prefix_cache(walker=ListWalker(pool, [1]))
     slot = int(pool.r2t[1, 1])
     pool.k[slot, 0] ^= 0xFF
-    with caplog.at_level(logging.INFO, logger="kvcanary"):
+    # the sweep line's own logger (a vLLM plugin loaded by an earlier test may have quieted it)
+    with (caplog.at_level(logging.INFO, logger="kvcanary"),
+          caplog.at_level(logging.INFO, logger="kvcanary.sweep")):  # fmt: skip
         canary.end_step()
     [v] = canary.drain_violations()
     assert (v.tag, v.slot_idx, v.fail_reason_bits) == (LaunchTag.SWEEP_K_FULL, slot, 4)
     assert "canary_kind:       sweep_k_full" in v.message
-    assert "[canary] sweep pass=1 step=1 entries=3" in caplog.messages
+    [line] = [r for r in caplog.records if r.getMessage().startswith("[canary] sweep pass=")]
+    assert line.getMessage() == "[canary] sweep pass=1 step=1 entries=3"
+    assert (line.name, line.levelno) == ("kvcanary.sweep", logging.INFO)
 
 
 def test_health_check_raise_and_log(

@@ -41,6 +41,10 @@ from kvcanary.contract.walker import PrefixCacheWalker
 __all__ = ["Canary"]
 
 logger = logging.getLogger("kvcanary")
+#: the per-sweep INFO line (SPEC §8) on a child of `kvcanary`, so a deployment can keep it quiet
+#: while the canary's other lines print: a sweep every few steps is dozens of lines a second,
+#: and each line's write cost ~90 us of a vLLM step (docs/performance.md, sixth session)
+sweep_logger = logging.getLogger("kvcanary.sweep")
 _NO_TOKENS = np.full(0, -1, dtype=np.int64)
 _NEVER = 1 << 62  # a step no run reaches
 
@@ -566,7 +570,7 @@ class Canary:
         self.sweep_passes += 1
         self._last_sweep_step = self.step
         self._sweep_at = self.step + self.config.sweep_interval
-        logger.info(
+        sweep_logger.info(
             "[canary] sweep pass=%d step=%d entries=%d", self.sweep_passes, self.step, entries
         )
 

@@ -227,6 +227,7 @@ def register_from_env(environ: Mapping[str, str] | None = None) -> bool:
         )
     shortcut = mode in ("log", "raise", "recover")
     _ensure_log_handler()
+    quiet_sweep_lines()
     enable_amx_tiles()
     register_connector_name()
     apply_patches(shortcut)
@@ -269,6 +270,18 @@ def _ensure_log_handler() -> None:
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+
+
+def quiet_sweep_lines() -> None:
+    """Keep the canary's per-sweep INFO line (logger `kvcanary.sweep`) at WARNING in vLLM's
+    processes unless that logger's level was set (a logging config, vLLM's
+    `VLLM_LOGGING_CONFIG_PATH`): with a sweep every 4 steps it is dozens of lines a second under
+    load, each costing its step ~90 us to write (docs/performance.md). Sweeps are counted on
+    `/metrics` (`kvcanary_sweeps_total`); `logging.getLogger("kvcanary.sweep").setLevel("INFO")`
+    prints each one again."""
+    sweeps = logging.getLogger("kvcanary.sweep")
+    if sweeps.level == logging.NOTSET:
+        sweeps.setLevel(logging.WARNING)
 
 
 def canaries() -> list[Any]:
