@@ -35,6 +35,12 @@ from typing import Any
 MAX_SEQS, MAX_MODEL_LEN = 16, 512
 #: the canary settings every vLLM bench runs with (the sweep cadence is `--sweep-interval`)
 BENCH_CANARY = {"KVCANARY_MODE": "log", "KVCANARY_REAL_DATA": "partial"}
+#: the vLLM benches' process defaults, each kept where the caller set it: vLLM's own log at
+#: WARNING, the token check on, no periodic stats line, the engine core in this process (the
+#: canary's timer is read here)
+PROCESS_DEFAULTS = {"VLLM_LOGGING_LEVEL": "WARNING", "KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1",
+                    "KVCANARY_STATS_PRINT_EVERY_N_STEPS": "0",
+                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
 
 
 def model_spec(hidden: int = 256, layers: int = 2) -> Any:
@@ -93,17 +99,25 @@ def bench_env(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str
     return {**BENCH_CANARY, "KVCANARY_SWEEP_INTERVAL": str(args.sweep_interval)}
 
 
-def profiled_engine(dtype: str, hidden: int = 256, layers: int = 2,
-                    env: dict[str, str] | None = None) -> Any:  # fmt: skip
+def set_process_defaults() -> None:
+    """`PROCESS_DEFAULTS` into this process's environment where unset (vLLM reads them at
+    import). The root logger is left unconfigured, as under vLLM's server: the plugin then sets
+    up the canary's logging as it does there (an INFO handler on `kvcanary`; a line per sweep
+    cost ~90 us a sweep unseen while these benches configured WARNING logging)."""
+    for name, value in PROCESS_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def profiled_engine(dtype: str, env: dict[str, str], hidden: int = 256,
+                    layers: int = 2) -> Any:  # fmt: skip
     """The in-process `VllmEngine` these benches profile (also `bench/vllm_scaling.py`'s): the
     `model_spec(hidden, layers)` Llama (the test suite's tiny one by default), block size 32, 480
     blocks, 16 sequences, 512-token budget and context, the canary in `log` + real-data
-    `partial` + the sweep cadence of `env` (`bench_env`'s; a sweep every 4 steps when None).
-    Call it after the environment defaults are set (vLLM reads them at import)."""
+    `partial` + the sweep cadence of `env` (`bench_env`'s). Call it after
+    `set_process_defaults` (vLLM reads them at import)."""
     from kvcanary.app.vllm.engine import VllmEngine, VllmSettings
     from kvcanary.app.vllm.model import ensure_tiny_llama
 
-    env = env or {**BENCH_CANARY, "KVCANARY_SWEEP_INTERVAL": "4"}
     spec = model_spec(hidden, layers)
     settings = VllmSettings(model=ensure_tiny_llama(spec), kv_blocks=480, max_num_seqs=MAX_SEQS,
                             max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN,
@@ -125,13 +139,7 @@ def main() -> int:
     if args.hidden < 64 or args.hidden % 64:
         ap.error(f"--hidden {args.hidden}: must be a positive multiple of 64 (head_dim is 64)")
     canary_env = bench_env(ap, args)  # refuses a conflicting environment now
-    # no root handler, as under vLLM's server: the plugin then sets up the canary's logging as it
-    # does there (an INFO handler on `kvcanary`; a line per sweep cost ~90 us a sweep unseen
-    # while these benches configured WARNING here)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
-    os.environ.setdefault("KVCANARY_STATS_PRINT_EVERY_N_STEPS", "0")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    set_process_defaults()
 
     from kvcanary.adapters.vllm import connector, prep, sweep, worker
     from kvcanary.adapters.vllm.mirror import KvMirror
@@ -181,7 +189,7 @@ def main() -> int:
     wrap(mirror, "_gather_two", "compiled mirror gather, two lists")
     wrap(sweep.ParentLedger, "note_cached", "ParentLedger.note_cached (scheduler)")
 
-    engine = profiled_engine(args.dtype, args.hidden, args.layers, canary_env)
+    engine = profiled_engine(args.dtype, canary_env, args.hidden, args.layers)
 
     def workload(seed: int) -> list[VllmRequest]:
         rng = random.Random(f"{args.kind}:{seed}")

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -45,7 +44,13 @@ from collections.abc import Callable
 from typing import Any
 
 # bench/vllm_hooks.py: the benches' Llama (by width and depth) and canary settings
-from vllm_hooks import add_sweep_interval, bench_env, model_spec, sweeps_text
+from vllm_hooks import (
+    add_sweep_interval,
+    bench_env,
+    model_spec,
+    set_process_defaults,
+    sweeps_text,
+)
 
 #: (module, class, method) -> phase: vLLM's own work per step, timed in both arms (`--phases`)
 PHASES = (
@@ -97,13 +102,7 @@ def main() -> int:
     if args.hidden < 64 or args.hidden % 64:
         ap.error(f"--hidden {args.hidden}: must be a positive multiple of 64 (head_dim is 64)")
     env = bench_env(ap, args)  # refuses a conflicting environment before vLLM loads
-    # no root handler, as under vLLM's server: the plugin then sets up the canary's logging as it
-    # does there (an INFO handler on `kvcanary`; a line per sweep cost ~90 us a sweep unseen
-    # while these benches configured WARNING here)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
-    os.environ.setdefault("KVCANARY_STATS_PRINT_EVERY_N_STEPS", "0")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    set_process_defaults()
 
     from kvcanary.adapters.vllm.state import STATE
     from kvcanary.app.vllm.engine import VllmEngine, VllmSettings

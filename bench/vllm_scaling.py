@@ -2,12 +2,12 @@
 
 One in-process vLLM engine (`bench/vllm_hooks.py`'s: the test suite's tiny Llama, block size
 32, prefix caching on, the canary in `log` + real-data `partial` + a sweep every 4 steps
-(`--sweep-interval`) + token checks; vLLM's default dtype unless `--dtype`) serves `B` requests of `P`-token prompts for each
-cell of a grid. A cell's decode figures are the difference of two runs over the same prompts
-(prefix cache reset before each): one generating `1 + --decode` tokens a request, one
-generating 1 (the prefill alone). Where the prefill is chunked (B x P above the 512-token step
-budget) the longer run's early rows decode beside later rows' chunks, so a few of its decode
-steps carry prefill tokens too.
+(`--sweep-interval`) + token checks; vLLM's default dtype unless `--dtype`) serves `B` requests
+of `P`-token prompts for each cell of a grid. A cell's decode figures are the difference of two
+runs over the same prompts (prefix cache reset before each): one generating `1 + --decode`
+tokens a request, one generating 1 (the prefill alone). Where the prefill is chunked (B x P
+above the 512-token step budget) the longer run's early rows decode beside later rows' chunks,
+so a few of its decode steps carry prefill tokens too.
 Its time is the canary's own time (the worker's timer around its hooks: view, HEAD, mirror,
 TAIL, sweeps; `canary_seconds`), its entries the protected-slot checks (verify entries and
 record writes of every stage, sweeps included), both per decode step. The grid is run
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 from pathlib import Path
@@ -43,6 +42,7 @@ from vllm_hooks import (  # bench/vllm_hooks.py: the profile's engine and its ca
     add_sweep_interval,
     bench_env,
     profiled_engine,
+    set_process_defaults,
     sweeps_text,
 )
 
@@ -70,17 +70,11 @@ def main() -> int:
     if args.decode < 1 or args.repeats < 1:
         ap.error(f"--decode {args.decode} / --repeats {args.repeats}: each must be at least 1")
     canary_env = bench_env(ap, args)  # refuses a conflicting environment now
-    # no root handler, as under vLLM's server: the plugin then sets up the canary's logging as it
-    # does there (an INFO handler on `kvcanary`; a line per sweep cost ~90 us a sweep unseen
-    # while these benches configured WARNING here)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("KVCANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1")
-    os.environ.setdefault("KVCANARY_STATS_PRINT_EVERY_N_STEPS", "0")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the canary's timer is read here
+    set_process_defaults()
 
     from kvcanary.app.vllm.workload import VllmRequest
 
-    engine = profiled_engine(args.dtype, env=canary_env)
+    engine = profiled_engine(args.dtype, canary_env)
 
     def run(batch: int, prompt: int, tokens: int, seed: int) -> dict[str, Any]:
         rng = random.Random(f"{batch}:{prompt}:{seed}")
